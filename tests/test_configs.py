@@ -56,6 +56,16 @@ def test_every_group_option_composes_into_train(group, option, tmp_path):
     assert cfg.get(group) is not None or group in ("experiment", "prepare")
 
 
+def test_experiment_values_win_over_train_yaml(tmp_path):
+    """An experiment is composed after train.yaml's own keys: its optimizer settings must reach the module (a
+    regression: with `_self_` last, train.yaml's lr 1e-6 silently replaced the toy experiment's lr)."""
+    experiment = OmegaConf.load(CONF / "experiment" / "toy.yaml")
+    cfg = _compose("train", [f"paths.outputs={tmp_path}"])
+    assert cfg.optimizer.lr == experiment.optimizer.lr != OmegaConf.load(CONF / "train.yaml").optimizer.lr
+    assert cfg.module.optimizer.lr == experiment.optimizer.lr
+    assert cfg.trainer.max_steps == experiment.trainer.max_steps
+
+
 @pytest.mark.parametrize("algorithm", ["dspo", "gspo", "dapo", "grpo"])
 def test_algorithm_configs_instantiate(algorithm, tmp_path):
     cfg = _compose("train", [f"algorithm={algorithm}", f"output_dir={tmp_path}"])

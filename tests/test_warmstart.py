@@ -18,8 +18,8 @@ from dspo.warmstart import (
     MANIFEST,
     WarmStartConfig,
     build_toy_tokenizer,
-    drill_examples,
     observations_in,
+    recall_examples,
     render_demonstrations,
     sft_loss,
     toy_retriever,
@@ -32,7 +32,7 @@ WORLD = ToyWorldConfig(
 )  # fmt: skip
 SMALL = WarmStartConfig(
     num_demos=16, hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128, steps=3, batch_size=4,
-    drill_steps=3, warmup_steps=1,
+    recall_steps=3, recall_batch_size=4, warmup_steps=1,
 )  # fmt: skip
 
 
@@ -40,7 +40,7 @@ SMALL = WarmStartConfig(
 def toy(tmp_path_factory):
     root = tmp_path_factory.mktemp("ws")
     world = build_toyworld(str(root / "world"), WORLD)
-    return world, build_toy_tokenizer(world, str(root / "tok"), vocab_size=768)
+    return world, build_toy_tokenizer(world, str(root / "tok"), vocab_size=1024)
 
 
 def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
@@ -60,31 +60,20 @@ def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
         assert len(observations_in(full)) == item.metadata["hops"]
 
 
-def test_drills_are_short_turn_pieces(toy) -> None:
+def test_recall_drills_ask_for_one_listed_train_name(toy) -> None:
     world, tok_dir = toy
     tokenizer = load_tokenizer(tok_dir)
-    items = load_qa(world.train, benchmark="toy", limit=10)
-    demos = render_demonstrations(items, load_world_meta(world), tokenizer, toy_retriever(world), 0.0)
-    drills = drill_examples(demos, tokenizer, context_weight=0.5)
-    assert len(drills) == sum(d.num_turns for d in demos)
-    for demo in demos:
-        turns = [tokenizer.decode(ids) for ids, w in _model_runs(demo)]
-        pieces = drills[: len(turns)]
-        drills = drills[len(turns) :]
-        for turn, (ids, weights) in zip(turns, pieces):
-            assert tokenizer.decode([i for i, w in zip(ids, weights) if w == 1.0]) == turn
-            assert len(ids) < len(demo.prompt_ids)  # no system prompt / tool schema in a drill
-        assert tokenizer.decode(pieces[0][0]).startswith(f"Question: {demo.question}")
-
-
-def _model_runs(demo):
-    runs: list[tuple[list[int], int]] = []
-    for token, mask in zip(demo.response_ids, demo.response_mask):
-        if runs and runs[-1][1] == mask:
-            runs[-1][0].append(token)
-        else:
-            runs.append(([token], mask))
-    return [r for r in runs if r[1]]
+    meta = load_world_meta(world)
+    train_names = {n for n, e in meta.items() if e["split"] == "train"}
+    drills = recall_examples(tokenizer, meta, 50, seed=0)
+    assert len(drills) == 50 and drills != recall_examples(tokenizer, meta, 50, seed=1)
+    for ids, weights in drills:
+        start = weights.index(1.0)
+        assert all(w == 1.0 for w in weights[start:]) and not any(weights[:start])
+        answer = tokenizer.decode(ids[start:]).strip()
+        context = tokenizer.decode(ids[:start])
+        assert answer in train_names and answer in context  # the asked name was listed before the cue
+        assert context.endswith(meta[answer]["type"])  # ... and the cue names its type
 
 
 def test_sft_loss_covers_only_masked_targets() -> None:

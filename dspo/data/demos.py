@@ -21,11 +21,10 @@ from dspo.types import QAItem
 CORRECT = "correct"
 IMPERFECT_KINDS = ("no_search", "wrong_hop", "distractor", "malformed")
 # Which entity type a relation points to (for plausible wrong guesses).
-ANSWER_TYPE = {"born_in": "city", "founded_by": "person", "ceo": "person", "hq": "city", "country": "country"}
-ANSWER_TYPE |= {"capital": "city", "city": "city"}
+ANSWER_TYPE = {"born_in": "city", "founded_by": "person", "country": "country", "capital": "city", "city": "city"}
 # How the scripted thoughts name a relation: "the {phrase} of {entity}".
-RELATION_PHRASE = {"born_in": "birthplace", "founded_by": "founder", "ceo": "CEO", "hq": "headquarters"}
-RELATION_PHRASE |= {"country": "country", "capital": "capital", "city": "city"}
+RELATION_PHRASE = {"born_in": "birthplace", "founded_by": "founder", "country": "country", "capital": "capital"}
+RELATION_PHRASE |= {"city": "city"}
 _NAME = re.compile(r"[A-Z][a-z]+(?: [A-Z][a-z]+)*")
 
 
@@ -79,9 +78,7 @@ class ScriptedPolicy:
             value = self.world[entity][rel]
             if not _states(observations[step], entity, value):
                 return answer_text(self._guess(rel), f"The results do not say the {RELATION_PHRASE[rel]} of {entity}.")
-            known.append(
-                evidence_sentence(observations[step], value) or f"The {RELATION_PHRASE[rel]} of {entity} is {value}."
-            )
+            known.append(f"The {RELATION_PHRASE[rel]} of {entity} is {value}.")
             last = step == len(relations) - 1
             if self.kind == "wrong_hop" and len(relations) > 1:
                 return answer_text(value, " ".join(known))  # stops one hop early
@@ -108,18 +105,6 @@ class ScriptedPolicy:
         names = sorted({m for m in _NAME.findall(text) if m in self.world and m not in exclude})
         names = [n for n in names if n not in self.item.golden_answers]
         return self.rng.choice(names) if names else None
-
-
-def evidence_sentence(observation: str, value: str) -> str | None:
-    """The retrieved sentence that states `value`, quoted verbatim (e.g. "Mufirk Works was founded by Prin Jagux in
-    1955."). Thinking by quoting the evidence lets a tiny model answer by copying what follows the fact's key phrase
-    in the passage (an induction pattern it learns quickly) instead of recalling it."""
-    for line in observation.splitlines():
-        text = re.sub(r"^Doc \d+ \(Title: [^)]*\)\s*", "", line)
-        for sentence in re.split(r"(?<=\.)\s+", text):
-            if value in sentence:
-                return sentence.strip()
-    return None
 
 
 def _states(observation: str, entity: str, value: str) -> bool:

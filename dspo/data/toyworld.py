@@ -19,13 +19,16 @@ from pathlib import Path
 
 from dspo.metrics import normalize_answer
 
-FORMAT_VERSION = 3  # bump when the generated text changes, so cached worlds are rebuilt
+FORMAT_VERSION = 4  # bump when the generated text changes, so cached worlds are rebuilt
 SPLITS = ("train", "val", "test")
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr", "v"]
 _ONSETS += ["z", "th", "sh", "j", "h"]
 _VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ae", "ou"]
 _CODAS = ["", "", "n", "r", "l", "s", "x", "m", "nd", "rk"]
+# One word pool per name slot; a name is `pool word + suffix` (people: first + last). The pools are disjoint, so every
+# name piece says what it is part of (see _Namer).
+_POOLS = ("first", "last", "city", "country", "company", "river", "landmark")
 _SUFFIX = {
     "country": ["ia", "land", "stan", "ora", "avia"],
     "city": ["burg", "ton", "holm", "port", "ville", "dale"],
@@ -35,17 +38,17 @@ _SUFFIX = {
 }
 _OCCUPATIONS = ["painter", "engineer", "chemist", "poet", "architect", "sailor", "judge", "composer", "banker"]
 
-# Passage sentence templates per fact; one variant is drawn per passage so position and wording vary.
+# Passage sentence templates per fact; one variant is drawn per passage (ToyWorldConfig.template_variants). No passage
+# names two entities of the same type besides its subject (a company names its founder but not also its CEO), so a
+# fact is read by the *type* of the name that states it (see _Namer).
 _TEMPLATES = {
     "person.born_in": ["{name} was born in {born_in}.", "Born in {born_in}, {name} grew up there."],
     "person.occupation": ["{name} works as a {occupation}.", "By profession, {name} is a {occupation}."],
     "company.founded_by": ["{name} was founded by {founded_by} in {year}.", "{founded_by} founded {name} in {year}."],
-    "company.hq": ["Its headquarters are in {hq}.", "The company is headquartered in {hq}."],
-    "company.ceo": ["The current CEO is {ceo}.", "{ceo} serves as its chief executive."],
+    "company.staff": ["It employs about {staff} people."],
     "city.country": ["{name} is a city in {country}.", "{name} is located in the country of {country}."],
     "city.population": ["It has about {population} inhabitants."],
     "country.capital": ["The capital of {name} is {capital}.", "{capital} is the capital city of {name}."],
-    "country.others": ["Other cities in {name} include {others}."],
     "river.city": ["The {name} flows through {city}.", "The city of {city} lies on the {name}."],
     "river.length": ["It is {length} kilometres long."],
     "landmark.place": ["The {name} stands in {city}. It was designed by {person}."],
@@ -56,14 +59,10 @@ _TEMPLATES = {
 _QUESTIONS = {
     ("person", "born_in"): ["In which city was {e} born?", "Where was {e} born?"],
     ("company", "founded_by"): ["Who founded {e}?", "Who is the founder of {e}?"],
-    ("company", "ceo"): ["Who is the CEO of {e}?"],
-    ("company", "hq"): ["In which city is {e} headquartered?", "Where are the headquarters of {e}?"],
     ("city", "country"): ["In which country is {e} located?", "{e} is a city in which country?"],
     ("country", "capital"): ["What is the capital of {e}?"],
     ("river", "city"): ["Which city does the {e} flow through?"],
     ("company", "founded_by", "born_in"): ["In which city was the founder of {e} born?"],
-    ("company", "ceo", "born_in"): ["Where was the CEO of {e} born?"],
-    ("company", "hq", "country"): ["In which country are the headquarters of {e}?"],
     ("person", "born_in", "country"): ["In which country was {e} born?"],
     ("river", "city", "country"): ["In which country does the {e} flow?"],
 }
@@ -76,19 +75,19 @@ class ToyWorldConfig:
     seed: int = 0
     num_countries: int = 24
     cities_per_country: int = 4
-    num_people: int = 400
-    num_companies: int = 160
+    num_people: int = 520
+    num_companies: int = 200
     num_rivers: int = 36
-    num_distractors: int = 240
+    num_distractors: int = 160
     split_fractions: tuple[float, float, float] = (0.7, 0.15, 0.15)
-    num_train: int = 1200
+    num_train: int = 1000
     num_val: int = 200
     num_test: int = 200
     hop2_fraction: float = 0.5
     # Sentence variants per fact. 1 = only the first, "key before value" wording ("X was founded by Y"): a tiny model
     # then learns to read a fact by copying what follows its key phrase; more variants make reading harder.
     template_variants: int = 1
-    name_pool_size: int = 60  # words per pool (first names, last names, place stems), shared by all splits
+    name_pool_size: int = 50  # words per pool (first names, last names, city stems, ...), shared by all splits
 
 
 @dataclass
@@ -115,15 +114,22 @@ class _Namer:
 
     Why pools: every split draws its names from the same word pools (the *entities* and their facts stay disjoint
     between splits). A validation name is then a new combination of words the tokenizer and the model have seen in
-    training, so a tiny model can learn to copy it from a passage; with per-entity invented words, validation names
-    consist of tokens never trained, which a small model cannot produce (measured: 0% val subEM after SFT).
+    training; with per-entity invented words, validation names consist of tokens never trained, which a small model
+    cannot produce (measured: 0% val subEM after SFT).
+
+    Why one pool per slot (first names, last names, city stems, country stems, ...): the toy tokenizer makes every
+    pool word one id, so an id tells the type of the name it belongs to, and no passage names two entities of one type
+    besides its subject. Reading a fact is then "copy the city-stem id in the passage", which a 3-layer model learns
+    from the demonstrations in minutes. With names that share pieces across types, reading needs induction heads
+    (copy what follows a key phrase); measured: a 3-layer model copied 1.5 % of validation name pieces after 1,200 SFT
+    steps, and did not form induction heads within 800 steps of a synthetic copy task.
     """
 
     def __init__(self, rng: random.Random, pool_size: int) -> None:
         self.rng = rng
         self.used: set[str] = set()
         self.pieces: set[str] = set()  # every substring of every pool word
-        self.pools = {kind: [self.word(2) for _ in range(pool_size)] for kind in ("first", "last", "place")}
+        self.pools = {kind: [self.word(2) for _ in range(pool_size)] for kind in _POOLS}
         self.names: set[str] = set()
 
     def word(self, syllables: int) -> str:
@@ -140,7 +146,7 @@ class _Namer:
     def _candidate(self, kind: str) -> str:
         if kind == "person":
             return f"{self.rng.choice(self.pools['first'])} {self.rng.choice(self.pools['last'])}"
-        return self.rng.choice(self.pools["place"]) + self.rng.choice(_SUFFIX[kind])
+        return self.rng.choice(self.pools[kind]) + self.rng.choice(_SUFFIX[kind])
 
     def name(self, kind: str) -> str:
         for _ in range(10_000):
@@ -174,14 +180,12 @@ def _make_entities(cfg: ToyWorldConfig, rng: random.Random, namer: _Namer, split
             add("city", country=country, population=rng.randrange(5, 900) * 1000) for _ in range(cfg.cities_per_country)
         ]
         ents[country]["capital"] = local[0]
-        ents[country]["others"] = local[1:]
         cities += local
     people = [
         add("person", born_in=rng.choice(cities), occupation=rng.choice(_OCCUPATIONS)) for _ in range(n["people"])
     ]
     for _ in range(n["companies"]):
-        founder, ceo = rng.sample(people, 2)
-        add("company", founded_by=founder, ceo=ceo, hq=rng.choice(cities), year=rng.randrange(1850, 2020))
+        add("company", founded_by=rng.choice(people), year=rng.randrange(1850, 2020), staff=rng.randrange(2, 900) * 10)
     for _ in range(n["rivers"]):
         add("river", city=rng.choice(cities), length=rng.randrange(40, 3000))
     for _ in range(n["distractors"]):
@@ -211,20 +215,12 @@ def _passage(rng: random.Random, name: str, e: dict, variants: int) -> str:
         facts.append(_sentence(rng, variants, "person.occupation", name=name, occupation=e["occupation"]))
     elif kind == "company":
         facts = [_sentence(rng, variants, "company.founded_by", name=name, founded_by=e["founded_by"], year=e["year"])]
-        facts += [
-            _sentence(rng, variants, "company.hq", hq=e["hq"]),
-            _sentence(rng, variants, "company.ceo", ceo=e["ceo"]),
-        ]
+        facts.append(_sentence(rng, variants, "company.staff", staff=f"{e['staff']:,}"))
     elif kind == "city":
         facts = [_sentence(rng, variants, "city.country", name=name, country=e["country"])]
         facts.append(_sentence(rng, variants, "city.population", population=f"{e['population']:,}"))
     elif kind == "country":
-        others = (
-            ", ".join(e["others"][:-1]) + f" and {e['others'][-1]}" if len(e["others"]) > 1 else "".join(e["others"])
-        )
         facts = [_sentence(rng, variants, "country.capital", name=name, capital=e["capital"])]
-        if others:
-            facts.append(_sentence(rng, variants, "country.others", name=name, others=others))
     elif kind == "river":
         facts = [
             _sentence(rng, variants, "river.city", name=name, city=e["city"]),
@@ -269,8 +265,10 @@ def _questions(ents: dict, rng: random.Random, split: str, n_total: int, hop2_fr
     return [{"id": q["id"], **{k: v for k, v in q.items() if k != "id"}} for q in out]
 
 
-def generate_world(config: ToyWorldConfig) -> tuple[dict[str, dict], list[dict], dict[str, list[dict]]]:
-    """Pure generation (no files): (entities by name, corpus rows, questions per split). Deterministic in the seed."""
+def generate_world(config: ToyWorldConfig) -> tuple[dict[str, dict], list[dict], dict[str, list[dict]], list[str]]:
+    """Pure generation (no files): (entities by name, corpus rows, questions per split, name words). Deterministic in
+    the seed. The name words (the shared pools) are what every entity name is built from; the toy tokenizer makes each
+    of them one id."""
     rng = random.Random(config.seed)
     namer = _Namer(rng, config.name_pool_size)
     ents: dict[str, dict] = {}
@@ -282,7 +280,8 @@ def generate_world(config: ToyWorldConfig) -> tuple[dict[str, dict], list[dict],
     sizes = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
     split_ents = {s: {k: v for k, v in ents.items() if v["split"] == s} for s in SPLITS}
     qa = {s: _questions(split_ents[s], rng, s, sizes[s], config.hop2_fraction) for s in SPLITS}
-    return ents, corpus, qa
+    words = sorted({w for pool in namer.pools.values() for w in pool})
+    return ents, corpus, qa, words
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -320,11 +319,11 @@ def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwr
         return files
     root.mkdir(parents=True, exist_ok=True)
     manifest.unlink(missing_ok=True)  # written last: a crash mid-build never leaves a valid-looking cache
-    ents, corpus, qa = generate_world(config)
+    ents, corpus, qa, words = generate_world(config)
     for split in SPLITS:
         _write_jsonl(Path(getattr(files, split)), qa[split])
     _write_jsonl(Path(files.corpus), corpus)
-    Path(files.meta).write_text(json.dumps({"entities": ents}, ensure_ascii=False))
+    Path(files.meta).write_text(json.dumps({"entities": ents, "name_words": words}, ensure_ascii=False))
     stats = {s: len(qa[s]) for s in SPLITS} | {"passages": len(corpus)}
     manifest.write_text(json.dumps({"config_hash": digest, "config": asdict(config), "stats": stats}, indent=2))
     return files
@@ -336,6 +335,11 @@ def load_world_meta(files: ToyWorldFiles | str) -> dict[str, dict]:
     if not path.exists():
         raise FileNotFoundError(f"toyworld meta {path} not found; build the world with build_toyworld(output_dir)")
     return json.loads(path.read_text())["entities"]
+
+
+def load_name_words(files: ToyWorldFiles) -> list[str]:
+    """The invented words every entity name is built from (world.json `name_words`), sorted."""
+    return json.loads(Path(files.meta).read_text())["name_words"]
 
 
 def answer_in_text(answer: str, text: str) -> bool:

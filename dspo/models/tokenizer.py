@@ -9,9 +9,11 @@ Token choices (documented in docs/toyworld.md):
   `<|im_end|>` (eos) — as in Qwen2.5.
 - added, non-special tokens (always one id, kept when decoding, so stop strings and parsers see them):
   `<tool_call>`, `</tool_call>` (added tokens in Qwen2.5 too), and `<tool_response>`, `</tool_response>`, `<think>`,
-  `</think>`, `<answer>`, `</answer>` (plain text in Qwen2.5; single ids here to keep the tiny model's sequences short).
-- pre-tokenization: white space is split off before Qwen2's byte-level regex, so a word's ids never depend on the
-  character before it (see `train_tokenizer`).
+  `</think>`, `<answer>`, `</answer>` and Search-R1's `<search>`, `</search>`, `<information>`, `</information>`
+  (plain text in Qwen2.5; single ids here to keep the tiny model's sequences short).
+- `words` (the toy world's invented name words) are added tokens too: one id each, whatever character precedes them,
+  so copying a name from a passage into a query or an answer is a pure copy of ids (see `train_tokenizer`).
+- pre-tokenization: Qwen2's byte-level regex (" which" is one piece, as in GPT-2/Qwen).
 - chat template: Qwen2.5's template with the same structure (system + `# Tools` block with one JSON schema per line,
   assistant tool calls, tool messages grouped as `<tool_response>` blocks in a user turn, `<|im_start|>assistant\\n`
   generation prompt); only the default system text and the prose around `<tools>` are shorter.
@@ -19,10 +21,11 @@ Token choices (documented in docs/toyworld.md):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
@@ -38,6 +41,10 @@ TAG_TOKENS = [
     "</think>",
     "<answer>",
     "</answer>",
+    "<search>",
+    "</search>",
+    "<information>",
+    "</information>",
 ]
 
 # The three strings where this template's text departs from Qwen2.5's (tests map one onto the other).
@@ -130,35 +137,36 @@ def _template_texts() -> list[str]:
     return [DEFAULT_SYSTEM, TOOLS_PREFIX, TOOLS_SUFFIX, "<|im_start|>user\n", "<|im_start|>assistant\n"] * 20
 
 
-def train_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int = 2048) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], output_dir: str, vocab_size: int = 2048, words: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `texts`, attach the chat template, save it to `output_dir`, return it.
 
-    `vocab_size` counts every id (256 byte symbols, merges, special and tag tokens). The saved directory loads with
-    `AutoTokenizer.from_pretrained(output_dir)` (and so with vLLM).
+    `words` become added (non-special) tokens: one id each wherever they occur, even inside a longer word
+    ("Proupre" in "Proupredale" -> `Proupre` + `dale`). Give words that are not substrings of ordinary text.
+    `vocab_size` counts every id (256 byte symbols, merges, special, tag and word tokens). The saved directory loads
+    with `AutoTokenizer.from_pretrained(output_dir)` (and so with vLLM).
     """
-    reserved = len(SPECIAL_TOKENS) + len(TAG_TOKENS)
+    words = sorted(set(words))
+    bad = [w for w in words if not w or any(c.isspace() for c in w)]
+    if bad:
+        raise ValueError(f"train_tokenizer: words must be non-empty and without white space, got {bad[:5]}")
+    reserved = len(SPECIAL_TOKENS) + len(TAG_TOKENS) + len(words)
     if vocab_size < 256 + reserved + 1:
         raise ValueError(
             f"train_tokenizer: vocab_size={vocab_size} is too small; byte-level BPE needs > {256 + reserved}"
         )
     backend = Tokenizer(models.BPE())
-    # Qwen2-style regex split into words/numbers/punctuation, then bytes; but every white-space character is its own
-    # piece first, so a name has the same ids after a space, a quote or a tag (" Brevia" vs '["Brevia'): copying a
-    # name from a passage into a query or an answer is then a pure copy of ids, which a tiny model learns quickly.
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(r"\s"), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TAG_TOKENS),  # the trainer counts special tokens; tags are added afterwards
+        # the trainer counts special tokens; tags and words are added afterwards
+        vocab_size=vocab_size - len(TAG_TOKENS) - len(words),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_with_template_texts(texts), trainer=trainer)
+    backend.train_from_iterator(_with_template_texts(texts, words), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
@@ -168,6 +176,7 @@ def train_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int = 204
         model_max_length=4096,
     )
     tokenizer.add_tokens(TAG_TOKENS, special_tokens=False)
+    tokenizer.add_tokens([AddedToken(w, normalized=False, special=False) for w in words])
     tokenizer.chat_template = CHAT_TEMPLATE
     if len(tokenizer) != vocab_size:
         raise RuntimeError(
@@ -180,9 +189,15 @@ def train_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int = 204
     return tokenizer
 
 
-def _with_template_texts(texts: Iterable[str]) -> Iterable[str]:
+def _with_template_texts(texts: Iterable[str], words: Sequence[str]) -> Iterable[str]:
+    """Template texts, then `texts` with the added words cut out (their ids are fixed; merges go to the rest)."""
     yield from _template_texts()
-    yield from texts
+    if not words:
+        yield from texts
+        return
+    pattern = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+    for text in texts:
+        yield pattern.sub("\n", text)  # a line break: the rest of a word ("dale" of "Proupredale") stays a piece
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:

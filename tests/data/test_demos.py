@@ -19,7 +19,7 @@ CFG.num_train, CFG.num_val, CFG.num_test = 200, 40, 40
 
 @pytest.fixture(scope="module")
 def setup():
-    ents, corpus, qa = generate_world(CFG)
+    ents, corpus, qa, _ = generate_world(CFG)
     passages = []
     for row in corpus:
         title, text = row["contents"].split("\n", 1)

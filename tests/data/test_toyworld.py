@@ -14,6 +14,7 @@ from dspo.data.toyworld import (
     answer_in_text,
     build_toyworld,
     generate_world,
+    load_name_words,
     load_world_meta,
 )
 from dspo.search.bm25 import BM25Index
@@ -88,6 +89,27 @@ def test_val_names_reuse_train_words_but_not_train_entities(world) -> None:
     assert not train & val
     train_words = {w for n in train for w in n.split()}
     assert any(w in train_words for n in val for w in n.split())
+
+
+def test_name_words_belong_to_one_entity_type(world) -> None:
+    """Every name word is used by names of one entity type only, so its (single) token id says the type."""
+    meta = load_world_meta(world)
+    words = load_name_words(world)
+    types: dict[str, set[str]] = {w: set() for w in words}
+    for name, e in meta.items():
+        pieces = [w for w in words if w in name]
+        assert pieces, name  # every name is built from pool words
+        for w in pieces:
+            types[w].add(e["type"])
+    assert all(len(t) <= 1 for t in types.values()), {w: t for w, t in types.items() if len(t) > 1}
+
+
+def test_passages_name_at_most_one_entity_per_type_besides_their_subject(world) -> None:
+    meta = load_world_meta(world)
+    for passage in load_corpus(world.corpus):
+        mentioned = [n for n in meta if n != passage.title and n in passage.text]
+        kinds = [meta[n]["type"] for n in mentioned]
+        assert len(kinds) == len(set(kinds)), (passage.title, mentioned)
 
 
 def test_gold_passages_retrievable(world) -> None:

@@ -25,10 +25,10 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> str:
-    _, corpus, qa = generate_world(ToyWorldConfig(num_train=300, num_val=50, num_test=50))
+    _, corpus, qa, words = generate_world(ToyWorldConfig(num_train=300, num_val=50, num_test=50))
     texts = [c["contents"] for c in corpus] + [q["question"] for q in qa["train"]]
     out = tmp_path_factory.mktemp("tok")
-    tk.train_tokenizer(texts, str(out), vocab_size=1024)
+    tk.train_tokenizer(texts, str(out), vocab_size=1024, words=words + ["Zorblax", "Kofa"])
     return str(out)
 
 
@@ -89,6 +89,23 @@ def test_round_trips_world_text(tok_dir) -> None:
     tok = AutoTokenizer.from_pretrained(tok_dir)
     text = '"Zorblax Corp"\nZorblax Corp was founded by Kofa Brel in 1901. It has 12,000 inhabitants.'
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_words_are_one_id_in_every_context(tok_dir) -> None:
+    """A name word keeps its single id after a space, a quote, a tag, and at the start of a longer word, so copying
+    a name from a passage into a query or an answer is copying ids."""
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    word_id = tok.convert_tokens_to_ids("Zorblax")
+    assert word_id != tok.unk_token_id
+    for text in [" Zorblax Corp", '"Zorblax"', "<answer>Zorblax</answer>", "Zorblaxburg", "<search> Zorblax"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids.count(word_id) == 1, (text, tok.convert_ids_to_tokens(ids))
+        assert tok.decode(ids) == text
+
+
+def test_rejects_words_with_spaces(tmp_path) -> None:
+    with pytest.raises(ValueError, match="white space"):
+        tk.train_tokenizer(["abc def"] * 50, str(tmp_path), vocab_size=300, words=["two words"])
 
 
 def test_rejects_tiny_vocab(tmp_path) -> None:

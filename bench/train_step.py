@@ -1,0 +1,269 @@
+"""Training-step cost: tokens/s, peak memory and padding share of one optimizer step on a round of trajectories.
+
+    python bench/train_step.py [--groups 8] [--group-size 5] [--micro-batch-size 8] [--repeats 3]
+                               [--hidden-size 192 --num-layers 3 --num-heads 3] [--device cpu|cuda]
+
+What one step is: the work `DSPOModule.training_step` does for one mini-batch with M = 1 (fully on-policy): for every
+micro-batch, logprobs at the trained positions (`masked_token_logprobs`, LM head in chunks), the DSPO sequence-level
+clipped loss (`policy_loss("dspo", ...)`, normalizer = the whole mini-batch), backward; then gradient clipping and
+one AdamW step. It calls the same functions as the module, without the Lightning loop around them, so the numbers are
+the step's own cost.
+
+The round: real multi-turn trajectories of the toy world (scripted demonstrations rendered by the real agent loop with
+BM25 over the toy corpus: 1- and 2-hop questions, tool turns spliced as in RL), a share of them imperfect so lengths
+vary as in a rollout. Two layouts of the same round are compared, alternated:
+- `bucketed`: dspo's `build_round` (shuffle, then sort the mini-batch by length before cutting micro-batches; each
+  micro-batch is padded only to its own longest sequence);
+- `random`: the same micro-batch size, sequences in shuffled order (what a plain DataLoader would give).
+
+padding share = tokens computed on padding / all tokens computed (goal <= 10 %). tokens/s counts real tokens
+(prompt + response) forwarded and backpropagated per second. Peak memory: on CUDA `max_memory_allocated`; on CPU the
+peak resident set size above the level before the step, sampled every 5 ms (allocator caching makes it approximate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled in a background thread (CPU runs)."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        import psutil
+
+        self.process, self.interval_s = psutil.Process(), interval_s
+        self.base = self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = self.process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.interval_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def delta_mib(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def toy_trajectories(workdir: Path, count: int, seed: int) -> tuple[list, object]:
+    """`count` rendered toy-world trajectories (30 % imperfect) and the toy tokenizer."""
+    from dspo.data.qa import load_qa
+    from dspo.data.toyworld import ToyWorldConfig, build_toyworld, load_world_meta
+    from dspo.models.tokenizer import load_tokenizer
+    from dspo.warmstart import build_toy_tokenizer, render_demonstrations, toy_retriever
+
+    world = build_toyworld(str(workdir / "world"), ToyWorldConfig(seed=seed))
+    tokenizer = load_tokenizer(build_toy_tokenizer(world, str(workdir / "tokenizer")))
+    items = load_qa(world.train, benchmark="toy", limit=count)
+    agent = {"tag_format": "searchr1", "topk": 3, "max_turns": 3, "max_obs_tokens": 256}
+    demos = render_demonstrations(items, load_world_meta(world), tokenizer, toy_retriever(world), 0.3, seed, agent)
+    return demos, tokenizer
+
+
+def as_groups(trajectories: list, group_size: int, seed: int) -> list:
+    """Groups of `group_size` trajectories with 0/1 rewards mixed inside each group (so every advantage is set).
+
+    A real group shares one prompt; here its members come from different questions, which changes nothing in the
+    step's cost but gives the round the length spread of a rollout over many questions."""
+    from dspo.types import QAItem, RolloutGroup
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(len(trajectories) // group_size):
+        members = trajectories[g * group_size : (g + 1) * group_size]
+        for i, t in enumerate(members):
+            t.reward = float(i % 2 == 0) if rng.random() < 0.5 else float(i % 2 == 1)
+        members[0].reward, members[1].reward = 1.0, 0.0
+        item = QAItem(id=f"bench-{g}", question=members[0].question, golden_answers=members[0].golden_answers)
+        groups.append(RolloutGroup(item=item, trajectories=members, prompt_index=g))
+    return groups
+
+
+def layouts(groups: list, micro_batch_size: int, pad_id: int, seed: int) -> dict[str, list]:
+    """Micro-batches of one round as dspo builds them (`bucketed`) and in shuffled order (`random`)."""
+    from dspo.algorithms import group_advantages
+    from dspo.data.buffer import build_round, collate_trajectories
+
+    bucketed = build_round(groups, 1, micro_batch_size, pad_id, policy_version=0, seed=seed).minibatches[0]
+    import torch
+
+    advantages = group_advantages(torch.stack([g.rewards for g in groups]))
+    flat = [(t, float(a)) for g, adv in zip(groups, advantages) for t, a in zip(g.trajectories, adv.tolist())]
+    random.Random(seed).shuffle(flat)
+    parts = [flat[i : i + micro_batch_size] for i in range(0, len(flat), micro_batch_size)]
+    shuffled = [collate_trajectories([t for t, _ in p], [a for _, a in p], pad_id, 0) for p in parts]
+    return {"bucketed": bucketed, "random": shuffled}
+
+
+def optimizer_step(model, optimizer, micro_batches: list, device: str) -> None:
+    """One DSPO optimizer step over `micro_batches` (the module's computation, see the module docstring)."""
+    import torch
+
+    from dspo.algorithms.losses import loss_normalizer, policy_loss
+    from dspo.models.logprobs import masked_token_logprobs
+
+    micro = [b.to(device) for b in micro_batches]
+    num_sequences = sum(len(b) for b in micro)
+    num_tokens = float(sum(b.loss_mask.sum() for b in micro))
+    normalizer = loss_normalizer("dspo", num_sequences, num_tokens)
+    for batch in micro:
+        logprobs, _ = masked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+        loss, _ = policy_loss(
+            "dspo", logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, 3e-4, 4e-4, normalizer=normalizer
+        )
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(model, optimizer, micro_batches: list, device: str) -> dict[str, float]:
+    import torch
+
+    from dspo.data.buffer import padding_share
+
+    real = sum(int(b.attention_mask.sum()) for b in micro_batches)
+    computed = sum(b.attention_mask.numel() for b in micro_batches)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with PeakRSS() as rss:
+        tic = time.perf_counter()
+        optimizer_step(model, optimizer, micro_batches, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - tic
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else rss.delta_mib
+    return {
+        "seconds": seconds,
+        "tokens_per_s": real / seconds,
+        "computed_tokens_per_s": computed / seconds,
+        "padding_share": padding_share(micro_batches),
+        "peak_mib": peak,
+        "real_tokens": real,
+        "computed_tokens": computed,
+        "micro_batches": len(micro_batches),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=8, help="B: groups per round (one mini-batch, M = 1)")
+    parser.add_argument("--group-size", type=int, default=5, help="G: trajectories per group")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="measured steps per layout (after one warm-up each)")
+    parser.add_argument("--hidden-size", type=int, default=192)
+    parser.add_argument("--num-layers", type=int, default=3)
+    parser.add_argument("--num-heads", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "train_step.json"))
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspo.models.tiny import build_tiny_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix="dspo-bench-step-") as tmp:
+        work = Path(tmp)
+        trajectories, tokenizer = toy_trajectories(work, args.groups * args.group_size, args.seed)
+        groups = as_groups(trajectories, args.group_size, args.seed)
+        model_dir = build_tiny_model(
+            str(work / "tokenizer"),
+            str(work / "model"),
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=1,
+            intermediate_size=args.hidden_size * 8 // 3,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).train()
+        model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    variants = layouts(groups, args.micro_batch_size, tokenizer.pad_token_id, args.seed)
+    results: dict[str, list[dict]] = {name: [] for name in variants}
+    for micro in variants.values():  # warm-up (allocator, kernels) once per layout
+        optimizer_step(model, optimizer, micro, args.device)
+    for _ in range(args.repeats):  # A, B, A, B, ...: load drift hits both layouts alike
+        for name, micro in variants.items():
+            results[name].append(measure(model, optimizer, micro, args.device))
+
+    summary = {name: _median(runs) for name, runs in results.items()}
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    report = {
+        "machine": _machine(args.device),
+        "args": vars(args),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "sequence_lengths": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
+        "summary": summary,
+        "runs": results,
+    }
+    print(
+        f"\n{args.groups} groups x {args.group_size} = {len(trajectories)} trajectories, lengths "
+        f"{min(lengths)}-{max(lengths)} (median {statistics.median(lengths):.0f}), micro-batch {args.micro_batch_size},"
+        f" {report['parameters'] / 1e6:.2f}M parameters, {args.device}, median of {args.repeats}\n"
+    )
+    print("| layout | step | tokens/s (real) | computed tokens/s | padding share | peak memory |")
+    print("|---|---|---|---|---|---|")
+    for name, s in summary.items():
+        print(
+            f"| {name} | {s['seconds']:.2f} s | {s['tokens_per_s']:,.0f} | {s['computed_tokens_per_s']:,.0f} | "
+            f"{100 * s['padding_share']:.1f} % | {s['peak_mib']:,.0f} MiB |"
+        )
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.output}")
+
+
+def _median(runs: list[dict]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _machine(device: str) -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+    }
+
+
+if __name__ == "__main__":
+    main()
