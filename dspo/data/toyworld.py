@@ -84,8 +84,8 @@ class ToyWorldConfig:
     num_val: int = 200
     num_test: int = 200
     hop2_fraction: float = 0.5
-    # Sentence variants per fact. 1 = only the first, "key before value" wording ("X was founded by Y"): a tiny model
-    # then learns to read a fact by copying what follows its key phrase; more variants make reading harder.
+    # Sentence variants per fact. 1 = only the first wording ("X was founded by Y"); 2 adds a second one per fact
+    # ("Y founded X"). Facts are read by the type of their names, so wording matters less, but 1 is what was measured.
     template_variants: int = 1
     name_pool_size: int = 50  # words per pool (first names, last names, city stems, ...), shared by all splits
 
@@ -120,9 +120,9 @@ class _Namer:
     Why one pool per slot (first names, last names, city stems, country stems, ...): the toy tokenizer makes every
     pool word one id, so an id tells the type of the name it belongs to, and no passage names two entities of one type
     besides its subject. Reading a fact is then "copy the city-stem id in the passage", which a 3-layer model learns
-    from the demonstrations in minutes. With names that share pieces across types, reading needs induction heads
-    (copy what follows a key phrase); measured: a 3-layer model copied 1.5 % of validation name pieces after 1,200 SFT
-    steps, and did not form induction heads within 800 steps of a synthetic copy task.
+    in minutes from recall drills plus the demonstrations (dspo.warmstart). With names that share pieces across
+    types, reading needs induction heads (copy what follows a key phrase); measured: a 3-layer model copied 1.5 % of
+    validation name pieces after 1,200 SFT steps, and formed no induction heads in 800 steps of a synthetic copy task.
     """
 
     def __init__(self, rng: random.Random, pool_size: int) -> None:
