@@ -4,7 +4,7 @@
 
 Composes `conf/train.yaml` with Hydra's compose API and the overrides in SPEC (the orchestrator builds them: model,
 QA file, algorithm variant, G, B, lengths), instantiates data, module, the environment callback and the trainer as
-`dspo.train.build` does (no checkpointing, no logger, no validation: TRL's side saves and logs nothing either), and
+`dspo.train.build` (no checkpointing, no logger, no validation: TRL's side saves and logs nothing either), and
 runs `trainer.fit` for warm-up + measured rounds. One round = one train batch: at its `on_train_batch_start` the
 `EnvironmentCallback` pushes the weights into the in-process vLLM engine and samples groups until B pass the filter,
 then `training_step` does the forward/backward passes and the AdamW step. `RoundClock`, first in the callback list,
@@ -103,20 +103,19 @@ def main(spec_path: str, result_path: str) -> None:
     from dspo.runtime import configure_threads
 
     configure_threads()  # as dspo-train: in-process vLLM engine, torch threads = DSPO_NUM_THREADS
-    import hydra
     from hydra import compose, initialize_config_dir
 
     from dspo.environment import SamplingExhausted
-    from dspo.train import CONF_DIR
+    from dspo.train import CONF_DIR, build
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=spec["overrides"])
     pl.seed_everything(cfg.seed, workers=True)
-    datamodule = hydra.utils.instantiate(cfg.data)
-    module = hydra.utils.instantiate(cfg.module, _convert_="all")
+    objects = build(cfg)  # what dspo-train instantiates (the overrides turn the logger and checkpoints off)
+    trainer: pl.Trainer = objects["trainer"]
+    module, datamodule = objects["module"], objects["datamodule"]
     clock = RoundClock()
-    callbacks = [clock] + [hydra.utils.instantiate(c) for c in cfg.callbacks.values() if c is not None]
-    trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
+    trainer.callbacks.insert(0, clock)  # first, so its batch-start hook runs before the environment samples
     error = None
     try:
         trainer.fit(module, datamodule=datamodule)

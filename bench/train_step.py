@@ -83,20 +83,18 @@ def toy_trajectories(workdir: Path, count: int, seed: int) -> tuple[list, object
     return demos, tokenizer
 
 
-def as_groups(trajectories: list, group_size: int, seed: int) -> list:
+def as_groups(trajectories: list, group_size: int) -> list:
     """Groups of `group_size` trajectories with 0/1 rewards mixed inside each group (so every advantage is set).
 
     A real group shares one prompt; here its members come from different questions, which changes nothing in the
     step's cost but gives the round the length spread of a rollout over many questions."""
     from dspo.types import QAItem, RolloutGroup
 
-    rng = random.Random(seed)
     groups = []
     for g in range(len(trajectories) // group_size):
         members = trajectories[g * group_size : (g + 1) * group_size]
         for i, t in enumerate(members):
-            t.reward = float(i % 2 == 0) if rng.random() < 0.5 else float(i % 2 == 1)
-        members[0].reward, members[1].reward = 1.0, 0.0
+            t.reward = float(i % 2 == 0)
         item = QAItem(id=f"bench-{g}", question=members[0].question, golden_answers=members[0].golden_answers)
         groups.append(RolloutGroup(item=item, trajectories=members, prompt_index=g))
     return groups
@@ -104,12 +102,12 @@ def as_groups(trajectories: list, group_size: int, seed: int) -> list:
 
 def layouts(groups: list, micro_batch_size: int, pad_id: int, seed: int) -> dict[str, list]:
     """Micro-batches of one round as dspo builds them (`bucketed`) and in shuffled order (`random`)."""
+    import torch
+
     from dspo.algorithms import group_advantages
     from dspo.data.buffer import build_round, collate_trajectories
 
     bucketed = build_round(groups, 1, micro_batch_size, pad_id, policy_version=0, seed=seed).minibatches[0]
-    import torch
-
     advantages = group_advantages(torch.stack([g.rewards for g in groups]))
     flat = [(t, float(a)) for g, adv in zip(groups, advantages) for t, a in zip(g.trajectories, adv.tolist())]
     random.Random(seed).shuffle(flat)
@@ -195,7 +193,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dspo-bench-step-") as tmp:
         work = Path(tmp)
         trajectories, tokenizer = toy_trajectories(work, args.groups * args.group_size, args.seed)
-        groups = as_groups(trajectories, args.group_size, args.seed)
+        groups = as_groups(trajectories, args.group_size)
         model_dir = build_tiny_model(
             str(work / "tokenizer"),
             str(work / "model"),

@@ -100,10 +100,11 @@ def tokenizer_texts(world: ToyWorldFiles) -> list[str]:
     """Corpus, questions (raw and inside the agent's instruction), the tool schema, and scripted turns."""
     corpus = [json.loads(line)["contents"] for line in Path(world.corpus).read_text().splitlines()]
     texts = list(corpus)
-    # observations as the agent formats them (dspo.rollout.agent): "Doc 1 (Title: name) text"
-    texts += [f"Doc {1 + i % 3} (Title: {c.split(chr(10), 1)[0].strip(chr(34))}) {c}" for i, c in enumerate(corpus)]
+    titles = [c.split("\n", 1)[0].strip('"') for c in corpus]
+    passages = dict(zip(titles, corpus))
+    # observation-like lines ("Doc 1 (Title: name) ..."), so the agent's observation prefix gets compact tokens
+    texts += [f"Doc {1 + i % 3} (Title: {title}) {c}" for i, (title, c) in enumerate(zip(titles, corpus))]
     meta = load_world_meta(world)
-    passages = {c.split("\n", 1)[0].strip('"'): c for c in corpus}
     rng = random.Random(0)
     for split in ("train", "val", "test"):
         for item in load_qa(getattr(world, split), benchmark="toy"):
@@ -335,11 +336,11 @@ def warm_start(output_dir: str, world: ToyWorldFiles, tokenizer_dir: str, config
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     items = load_qa(world.train, benchmark="toy", limit=config.num_demos)
     retriever = toy_retriever(world)
+    world_meta = load_world_meta(world)
     demos = render_demonstrations(
-        items, load_world_meta(world), tokenizer, retriever, config.imperfect_share, config.seed, config.agent
+        items, world_meta, tokenizer, retriever, config.imperfect_share, config.seed, config.agent
     )
     rendered = time.perf_counter()
-    world_meta = load_world_meta(world)
     name_ids = set(tokenizer.convert_tokens_to_ids(load_name_words(world)))
     stages = [
         (recall_examples(tokenizer, world_meta, 8192, config.seed), config.recall_steps, config.recall_batch_size),
