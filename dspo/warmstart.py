@@ -11,6 +11,8 @@ observation format), and the loss covers exactly the mask-1 (model-generated) to
 
 Two stages: name-recall drills (`recall_examples`) first, because copying a name from a passage is the skill whole
 demonstrations fail to teach in the time budget; then the demonstrations, with copied name pieces weighted up.
+Both use only the world's `demo` split (see `dspo.data.toyworld`): RL's training questions stay as new to the
+warm-started model as validation ones.
 
 Everything is cached: `prepare_toy_default` reuses a world, tokenizer and model whose manifests match the config.
 """
@@ -30,8 +32,9 @@ import torch
 from tqdm.auto import tqdm
 
 from dspo.data.demos import make_script
+from dspo.data.drills import Example, recall_examples
 from dspo.data.qa import load_qa
-from dspo.data.toyworld import ToyWorldConfig, ToyWorldFiles, build_toyworld, load_name_words, load_world_meta
+from dspo.data.toyworld import SPLITS, ToyWorldConfig, ToyWorldFiles, build_toyworld, load_name_words, load_world_meta
 from dspo.models.tiny import build_tiny_model
 from dspo.models.tokenizer import load_tokenizer, train_tokenizer
 from dspo.rollout.agent import AgentConfig, SearchAgent
@@ -55,7 +58,7 @@ class WarmStartConfig:
 
     seed: int = 0
     imperfect_share: float = 0.3
-    num_demos: int | None = None  # None = every train question
+    num_demos: int | None = None  # None = every demo-split question (entities RL and evaluation never see)
     hidden_size: int = 192
     num_layers: int = 3
     num_heads: int = 3
@@ -106,7 +109,7 @@ def tokenizer_texts(world: ToyWorldFiles) -> list[str]:
     texts += [f"Doc {1 + i % 3} (Title: {title}) {c}" for i, (title, c) in enumerate(zip(titles, corpus))]
     meta = load_world_meta(world)
     rng = random.Random(0)
-    for split in ("train", "val", "test"):
+    for split in SPLITS:
         for item in load_qa(getattr(world, split), benchmark="toy"):
             texts += [item.question, QWEN_INSTRUCTION.format(question=item.question)]
             observations = [passages[name] for name in item.metadata["chain"]]
@@ -122,7 +125,7 @@ def build_toy_tokenizer(world: ToyWorldFiles, output_dir: str, vocab_size: int =
     The world's name words are one id each (shared by all splits), so an unseen validation name is a new combination
     of trained ids and copying it is copying 1-3 ids."""
     out = Path(output_dir)
-    key = {"world": _file_digest(world.corpus) + _file_digest(world.train), "vocab_size": vocab_size, "version": 2}
+    key = {"world": _file_digest(world.corpus) + _file_digest(world.demo), "vocab_size": vocab_size, "version": 3}
     manifest = _read_manifest(out / "dspo_tokenizer.json")
     if manifest == key and (out / "tokenizer.json").is_file():
         return str(out)
@@ -165,46 +168,6 @@ def render_demonstrations(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # SFT loop
-
-Example = tuple[list[int], list[float]]  # token ids, per-token loss weight of that token as a *target*
-
-
-# Words that separate names in recall drills, and the cue word that asks for an entity type.
-_DRILL_FILLER = " was born in the city of a is founded by through flows and, with its. "
-_TYPE_CUE = {"person": " person", "city": " city", "country": " country", "company": " company", "river": " river"}
-
-
-def recall_examples(tokenizer, world_meta: dict[str, dict], count: int, seed: int) -> list[Example]:
-    """Synthetic recall drills from train-split names: `filler name filler name ... cue name`, loss on the last name.
-
-    Each drill lists 3-4 names of distinct types, then a cue word (" city", " person", ...) and repeats the name of
-    that type. Why: answering a toy question is copying the one name of the asked type from a passage; in whole
-    demonstrations those few name tokens are ~10 % of the loss and the copy circuit did not form in 1,200 steps
-    (measured: 0.8 % of validation name pieces right), while on these drills it forms in ~100 steps. Only train-split
-    names are used, and no facts: nothing about validation entities is seen.
-    """
-    rng = random.Random(seed)
-    by_type: dict[str, list[str]] = {}
-    for name, entity in world_meta.items():
-        if entity["split"] == "train" and entity["type"] in _TYPE_CUE:
-            by_type.setdefault(entity["type"], []).append(name)
-    types = sorted(by_type)
-    if len(types) < 2:
-        raise ValueError("recall_examples: the world needs train entities of at least two types")
-    filler = tokenizer.encode(_DRILL_FILLER, add_special_tokens=False)
-    examples = []
-    for _ in range(count):
-        chosen = rng.sample(types, min(4, len(types)))
-        names = {kind: rng.choice(by_type[kind]) for kind in chosen}
-        tokens: list[int] = []
-        for kind in chosen:
-            tokens += [rng.choice(filler) for _ in range(rng.randint(1, 4))]
-            tokens += tokenizer.encode(" " + names[kind], add_special_tokens=False)
-        asked = rng.choice(chosen)
-        tokens += [rng.choice(filler)] + tokenizer.encode(_TYPE_CUE[asked], add_special_tokens=False)
-        answer = tokenizer.encode(" " + names[asked], add_special_tokens=False)
-        examples.append((tokens + answer, [0.0] * len(tokens) + [1.0] * len(answer)))
-    return examples
 
 
 def demo_examples(
@@ -309,7 +272,7 @@ def warm_start(output_dir: str, world: ToyWorldFiles, tokenizer_dir: str, config
     out = Path(output_dir)
     key = {
         "config": _digest(asdict(config)),
-        "world": _file_digest(world.corpus) + _file_digest(world.train),
+        "world": _file_digest(world.corpus) + _file_digest(world.demo),
         "tokenizer": _file_digest(Path(tokenizer_dir) / "tokenizer.json"),
     }
     manifest = _read_manifest(out / MANIFEST)
@@ -334,7 +297,7 @@ def warm_start(output_dir: str, world: ToyWorldFiles, tokenizer_dir: str, config
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    items = load_qa(world.train, benchmark="toy", limit=config.num_demos)
+    items = load_qa(world.demo, benchmark="toy", limit=config.num_demos)
     retriever = toy_retriever(world)
     world_meta = load_world_meta(world)
     demos = render_demonstrations(
@@ -343,7 +306,11 @@ def warm_start(output_dir: str, world: ToyWorldFiles, tokenizer_dir: str, config
     rendered = time.perf_counter()
     name_ids = set(tokenizer.convert_tokens_to_ids(load_name_words(world)))
     stages = [
-        (recall_examples(tokenizer, world_meta, 8192, config.seed), config.recall_steps, config.recall_batch_size),
+        (
+            recall_examples(tokenizer, world_meta, load_name_words(world), 8192, config.seed),
+            config.recall_steps,
+            config.recall_batch_size,
+        ),
         (
             demo_examples(demos, config.context_loss_weight, name_ids, config.name_loss_weight),
             config.steps,

@@ -19,7 +19,6 @@ from dspo.warmstart import (
     WarmStartConfig,
     build_toy_tokenizer,
     observations_in,
-    recall_examples,
     render_demonstrations,
     sft_loss,
     toy_retriever,
@@ -28,7 +27,7 @@ from dspo.warmstart import (
 
 WORLD = ToyWorldConfig(
     seed=5, num_countries=8, num_people=80, num_companies=40, num_rivers=8, num_distractors=20,
-    num_train=60, num_val=20, num_test=20,
+    num_train=40, num_val=20, num_test=20, num_demo=40,
 )  # fmt: skip
 SMALL = WarmStartConfig(
     num_demos=16, hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128, steps=3, batch_size=4,
@@ -46,7 +45,7 @@ def toy(tmp_path_factory):
 def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
     world, tok_dir = toy
     tokenizer = load_tokenizer(tok_dir)
-    items = load_qa(world.train, benchmark="toy", limit=30)
+    items = load_qa(world.demo, benchmark="toy", limit=30)
     meta = load_world_meta(world)
     demos = render_demonstrations(items, meta, tokenizer, toy_retriever(world), imperfect_share=0.0)
     rng = random.Random(0)
@@ -58,22 +57,6 @@ def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
         assert demo.num_search_calls == item.metadata["hops"]
         full = tokenizer.decode(demo.prompt_ids + demo.response_ids)
         assert len(observations_in(full)) == item.metadata["hops"]
-
-
-def test_recall_drills_ask_for_one_listed_train_name(toy) -> None:
-    world, tok_dir = toy
-    tokenizer = load_tokenizer(tok_dir)
-    meta = load_world_meta(world)
-    train_names = {n for n, e in meta.items() if e["split"] == "train"}
-    drills = recall_examples(tokenizer, meta, 50, seed=0)
-    assert len(drills) == 50 and drills != recall_examples(tokenizer, meta, 50, seed=1)
-    for ids, weights in drills:
-        start = weights.index(1.0)
-        assert all(w == 1.0 for w in weights[start:]) and not any(weights[:start])
-        answer = tokenizer.decode(ids[start:]).strip()
-        context = tokenizer.decode(ids[:start])
-        assert answer in train_names and answer in context  # the asked name was listed before the cue
-        assert context.endswith(meta[answer]["type"])  # ... and the cue names its type
 
 
 def test_sft_loss_covers_only_masked_targets() -> None:
@@ -89,9 +72,19 @@ def test_sft_loss_covers_only_masked_targets() -> None:
 
 
 @pytest.mark.slow
-def test_warm_start_writes_loadable_cached_model(toy, tmp_path) -> None:
+def test_warm_start_writes_loadable_cached_model(toy, tmp_path, monkeypatch) -> None:
     world, tok_dir = toy
+    rendered = []
+
+    def spy(items, *args, **kwargs):
+        rendered.extend(items)
+        return render_demonstrations(items, *args, **kwargs)
+
+    monkeypatch.setattr("dspo.warmstart.render_demonstrations", spy)
     out = warm_start(str(tmp_path / "model"), world, tok_dir, SMALL)
+    meta = load_world_meta(world)
+    # the demonstrations only ever name demo-split entities: RL's training questions stay unseen
+    assert rendered and {meta[n]["split"] for item in rendered for n in item.metadata["chain"]} == {"demo"}
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.head_dim == 64 and model.config.vocab_size >= len(tokenizer)

@@ -2,7 +2,14 @@
 
 Why a synthetic world: nothing pretrained can be downloaded here, so the default task must be learnable from scratch
 in minutes and must *need* the search tool. Every name is invented (so no prior knowledge helps), and the train,
-validation and test splits are built from disjoint entity sets (so answers cannot be memorized from training).
+validation, test and demo splits are built from disjoint entity sets (so answers cannot be memorized from training).
+
+Why a fourth, `demo` split (common RL setups warm-start and train RL on the same questions): the SFT warm start's
+scripted demonstrations use only demo entities. A tiny model memorizes the facts of the questions it is fine-tuned
+on, so RL on those same questions would reward recalling memorized answers, a skill that cannot transfer to unseen
+entities. With disjoint demo entities, RL's training questions are as new to the warm-started model as validation
+ones, and what RL reinforces (searching the right entity, reading the passage, doing both hops) is what validation
+measures.
 
 Files are written in the formats real data uses (FlashRAG QA JSON Lines and a FlashRAG corpus), so the same loaders,
 BM25 index and evaluation code run on them. `world.json` keeps the structured facts for the scripted demonstrations.
@@ -19,8 +26,8 @@ from pathlib import Path
 
 from dspo.metrics import normalize_answer
 
-FORMAT_VERSION = 4  # bump when the generated text changes, so cached worlds are rebuilt
-SPLITS = ("train", "val", "test")
+FORMAT_VERSION = 5  # bump when the generated text changes, so cached worlds are rebuilt
+SPLITS = ("train", "val", "test", "demo")  # demo: entities only the warm-start demonstrations use
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr", "v"]
 _ONSETS += ["z", "th", "sh", "j", "h"]
@@ -70,24 +77,34 @@ _QUESTIONS = {
 
 @dataclass
 class ToyWorldConfig:
-    """Sizes are totals over all splits; `split_fractions` divides every entity type between train/val/test."""
+    """Sizes are totals over all splits; `split_fractions` divides every entity type between train/val/test/demo."""
 
     seed: int = 0
     num_countries: int = 24
     cities_per_country: int = 4
-    num_people: int = 520
-    num_companies: int = 200
+    num_people: int = 800
+    num_companies: int = 240
     num_rivers: int = 36
     num_distractors: int = 160
-    split_fractions: tuple[float, float, float] = (0.7, 0.15, 0.15)
-    num_train: int = 1000
+    split_fractions: tuple[float, float, float, float] = (0.3, 0.15, 0.15, 0.4)  # train, val, test, demo
+    num_train: int = 600
     num_val: int = 200
     num_test: int = 200
+    num_demo: int = 800  # questions the warm start turns into scripted demonstrations
     hop2_fraction: float = 0.5
     # Sentence variants per fact. 1 = only the first wording ("X was founded by Y"); 2 adds a second one per fact
     # ("Y founded X"). Facts are read by the type of their names, so wording matters less, but 1 is what was measured.
     template_variants: int = 1
     name_pool_size: int = 50  # words per pool (first names, last names, city stems, ...), shared by all splits
+
+    def __post_init__(self) -> None:
+        fractions = tuple(self.split_fractions)
+        if len(fractions) != len(SPLITS) or min(fractions) <= 0 or abs(sum(fractions) - 1.0) > 1e-6:
+            raise ValueError(
+                f"ToyWorldConfig.split_fractions must be {len(SPLITS)} positive shares {SPLITS} summing to 1, "
+                f"got {self.split_fractions}"
+            )
+        self.split_fractions = fractions
 
 
 @dataclass
@@ -100,6 +117,7 @@ class ToyWorldFiles:
     test: str
     corpus: str
     meta: str
+    demo: str = ""  # demo.jsonl: questions over the demo entities (warm-start demonstrations only)
     extra: dict = field(default_factory=dict)
 
 
@@ -158,9 +176,12 @@ class _Namer:
         raise RuntimeError("toyworld: ran out of unique names; raise ToyWorldConfig.name_pool_size")
 
 
-def _split_sizes(total: int, fractions: tuple[float, float, float]) -> list[int]:
-    val, test = (max(1, round(total * f)) for f in fractions[1:])
-    return [total - val - test, val, test]
+def _split_sizes(total: int, fractions: tuple[float, ...]) -> list[int]:
+    """Per-split counts in SPLITS order: every split but train gets its rounded share (at least 1), train the rest."""
+    others = [max(1, round(total * f)) for f in fractions[1:]]
+    if total - sum(others) < 1:
+        raise ValueError(f"toyworld: {total} entities of a type cannot fill {len(fractions)} splits; raise the count")
+    return [total - sum(others), *others]
 
 
 def _make_entities(cfg: ToyWorldConfig, rng: random.Random, namer: _Namer, split: str, share: int) -> dict:
@@ -277,7 +298,7 @@ def generate_world(config: ToyWorldConfig) -> tuple[dict[str, dict], list[dict],
     contents = [f'"{name}"\n{_passage(rng, name, e, config.template_variants)}' for name, e in ents.items()]
     rng.shuffle(contents)  # passage ids do not reveal the entity type or split
     corpus = [{"id": f"toy{i}", "contents": c} for i, c in enumerate(contents)]
-    sizes = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
+    sizes = {"train": config.num_train, "val": config.num_val, "test": config.num_test, "demo": config.num_demo}
     split_ents = {s: {k: v for k, v in ents.items() if v["split"] == s} for s in SPLITS}
     qa = {s: _questions(split_ents[s], rng, s, sizes[s], config.hop2_fraction) for s in SPLITS}
     words = sorted({w for pool in namer.pools.values() for w in pool})
@@ -300,11 +321,12 @@ def _files(root: Path) -> ToyWorldFiles:
         test=str(root / "test.jsonl"),
         corpus=str(root / "corpus.jsonl"),
         meta=str(root / "world.json"),
+        demo=str(root / "demo.jsonl"),
     )
 
 
 def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwrite: bool = False) -> ToyWorldFiles:
-    """Write the world to `output_dir` (train/val/test.jsonl, corpus.jsonl, world.json, manifest.json).
+    """Write the world to `output_dir` (train/val/test/demo.jsonl, corpus.jsonl, world.json, manifest.json).
 
     Idempotent: when manifest.json records the same config hash and every file exists, nothing is regenerated.
     """
@@ -313,7 +335,7 @@ def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwr
     files = _files(root)
     manifest = root / "manifest.json"
     digest = config_hash(config)
-    paths = [files.train, files.val, files.test, files.corpus, files.meta]
+    paths = [files.train, files.val, files.test, files.demo, files.corpus, files.meta]
     cached = not overwrite and manifest.exists() and all(Path(p).exists() for p in paths)
     if cached and json.loads(manifest.read_text()).get("config_hash") == digest:
         return files

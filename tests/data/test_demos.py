@@ -14,7 +14,7 @@ from dspo.search.bm25 import BM25Index
 from dspo.types import Passage, QAItem
 
 CFG = ToyWorldConfig(seed=1, num_people=120, num_companies=60, num_rivers=12, num_distractors=40)
-CFG.num_train, CFG.num_val, CFG.num_test = 200, 40, 40
+CFG.num_train, CFG.num_val, CFG.num_test, CFG.num_demo = 100, 40, 40, 80
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from dspo.search.corpus import load_corpus
 
 SMALL = ToyWorldConfig(
     seed=3, num_countries=12, num_people=120, num_companies=60, num_rivers=12, num_distractors=40,
-    num_train=200, num_val=40, num_test=40,
+    num_train=80, num_val=30, num_test=30, num_demo=80,
 )  # fmt: skip
 
 
@@ -41,7 +41,7 @@ def test_deterministic_in_seed() -> None:
 
 
 def test_formats_and_sizes(world) -> None:
-    for split, n in (("train", 200), ("val", 40), ("test", 40)):
+    for split, n in (("train", 80), ("val", 30), ("test", 30), ("demo", 80)):
         rows = _rows(getattr(world, split))
         assert len(rows) == n and len({r["id"] for r in rows}) == n
         for r in rows:
@@ -61,7 +61,15 @@ def test_splits_use_disjoint_entities(world) -> None:
             names = set(r["metadata"]["chain"]) | set(r["golden_answers"])
             assert {meta[n]["split"] for n in names} == {split}
             used[split] |= names
-    assert not used["train"] & used["val"] and not used["train"] & used["test"] and not used["val"] & used["test"]
+    for i, a in enumerate(SPLITS):
+        for b in SPLITS[i + 1 :]:
+            assert not used[a] & used[b], (a, b)  # demo entities (the warm start's) never reach RL or evaluation
+
+
+@pytest.mark.parametrize("fractions", [(0.7, 0.15, 0.15), (0.5, 0.5, 0.0, 0.0), (0.4, 0.2, 0.2, 0.3)])
+def test_split_fractions_are_validated(fractions) -> None:
+    with pytest.raises(ValueError, match="split_fractions"):
+        ToyWorldConfig(split_fractions=fractions)
 
 
 def test_each_hop_is_stated_in_its_passage(world) -> None:
@@ -124,8 +132,8 @@ def test_cached_and_rebuilt_on_config_change(world) -> None:
     before = Path(world.train).stat().st_mtime_ns
     assert build_toyworld(world.root, SMALL) == world
     assert Path(world.train).stat().st_mtime_ns == before
-    build_toyworld(world.root, replace(SMALL, num_train=100))
-    assert len(_rows(world.train)) == 100
+    build_toyworld(world.root, replace(SMALL, num_train=60))
+    assert len(_rows(world.train)) == 60
     build_toyworld(world.root, SMALL)  # restore for the module's other tests
 
 
