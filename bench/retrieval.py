@@ -1,7 +1,7 @@
 """Retrieval benchmark: BM25 backends (build time, peak memory, queries/s, recall) and the HTTP service under load.
 
-    python bench/retrieval.py                       # index mode on the shared corpus + a 1,000,000-passage corpus
-    python bench/retrieval.py --synthetic-size 0    # shared corpus only
+    python bench/retrieval.py                       # index mode on the HotpotQA dev corpus + 1M passages
+    python bench/retrieval.py --synthetic-size 0    # HotpotQA dev corpus only
     python bench/retrieval.py --mode server --clients 50 --duration-s 20
 
 Queries/s is the best of `--repeats` passes over the 500 queries (the machine may be shared). Each (corpus, backend)
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO / ".." / "shared" / "data" / "hotpotqa_dev500"
+HOTPOTQA = REPO / "data" / "hotpotqa_dev500"  # carried by the repository (data/README.md)
 
 
 def rss_mib() -> float:
@@ -46,9 +46,9 @@ def peak_rss_mib() -> float:
 def shared_workload() -> tuple[list, list[str], list[list[str]]]:
     from dspo.search.corpus import load_corpus
 
-    rows = [json.loads(line) for line in (SHARED / "questions.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (HOTPOTQA / "questions.jsonl").read_text().splitlines() if line.strip()]
     gold = [row["metadata"]["supporting_titles"] for row in rows]
-    return load_corpus(SHARED / "corpus.jsonl"), [row["question"] for row in rows], gold
+    return load_corpus(HOTPOTQA / "corpus.jsonl.gz"), [row["question"] for row in rows], gold
 
 
 def synthetic_workload(size: int, num_queries: int = 500, seed: int = 0) -> tuple[list, list[str], list[list[str]]]:
@@ -234,7 +234,7 @@ def server_mode(args: argparse.Namespace) -> dict:
 
     _, queries, _ = shared_workload()
     with tempfile.TemporaryDirectory() as tmp:
-        build_or_load_index(SHARED / "corpus.jsonl", Path(tmp) / "ix", show_progress=False)
+        build_or_load_index(HOTPOTQA / "corpus.jsonl.gz", Path(tmp) / "ix", show_progress=False)
         port = free_port()
         code = "from dspo.search.cli import serve_main; serve_main()"
         server = subprocess.Popen([sys.executable, "-c", code, f"index={Path(tmp) / 'ix'}", f"port={port}"])

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT / ".." / "shared"
+DATA = ROOT / "data"  # carried by the repository (data/README.md)
 
 
 def build_model(directory: str, p_close: float, p_eos: float) -> str:
@@ -28,7 +28,7 @@ def build_model(directory: str, p_close: float, p_eos: float) -> str:
 
     from dspo.models.tiny import build_tiny_model, steer_tiny_model
 
-    path = build_tiny_model(str(SHARED / "tokenizers" / "qwen2.5"), directory)
+    path = build_tiny_model(str(DATA / "tokenizers" / "qwen2.5"), directory)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     close = tokenizer.convert_tokens_to_ids("</tool_call>")
@@ -76,9 +76,9 @@ def main() -> None:
     from dspo.search.bm25 import build_or_load_index
 
     work = tempfile.mkdtemp(prefix="dspo_bench_rollout_")
-    data = SHARED / "data" / "hotpotqa_dev500"
+    data = DATA / "hotpotqa_dev500"
     items = load_qa(str(data / "questions.jsonl"), limit=args.questions)
-    retriever = build_or_load_index(str(data / "corpus.jsonl"), f"{work}/index", show_progress=False)
+    retriever = build_or_load_index(str(data / "corpus.jsonl.gz"), f"{work}/index", show_progress=False)
     path = build_model(f"{work}/model", args.p_close, args.p_eos)
     tokenizer = AutoTokenizer.from_pretrained(path)
     print(f"torch threads={torch.get_num_threads()}, {len(items)} questions x {args.group_size}", flush=True)

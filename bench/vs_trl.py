@@ -19,7 +19,7 @@ over-sampling).
 Model (`--model scripted`, default): a tiny Qwen2 (2 layers, hidden 128, Qwen2.5's 151k vocabulary, untied head)
 built locally as a token-level Markov chain: both residual branches are zeroed, so the logits depend on the last token
 only, and embedding/head rows encode filler "thinking" words (mean `--think-tokens`), then `<answer>yes|no|maybe
-</answer>` and EOS. On the yes/no questions of ../shared (HotpotQA, 2Wiki) it is right with probability `--p-correct`:
+</answer>` and EOS. On the yes/no questions of data/ (HotpotQA, 2Wiki) it is right with probability `--p-correct`:
 mixed rewards and a real keep-rate on both sides, while every token costs a full forward of the architecture. It never
 writes `</search>` and ends with EOS right after `</answer>`, so TRL runs without stop strings (with them transformers
 spends ~2 s per generate call scanning the vocabulary); for other models TRL stops at dspo's stop strings.
@@ -36,6 +36,7 @@ imports that TRL version. Threads: `--threads` torch threads on both sides (dspo
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -50,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT / ".." / "shared"
-YES_NO_SOURCES = [SHARED / "data" / "benchmarks" / f"{name}.jsonl" for name in ("hotpotqa", "2wikimultihopqa")]
+DATA = ROOT / "data"  # carried by the repository (data/README.md)
+YES_NO_SOURCES = [DATA / "benchmarks" / f"{name}.jsonl" for name in ("hotpotqa", "2wikimultihopqa")]
 STOP = ["</search>", "</answer>"]  # what dspo's agent stops a turn at (searchr1 tags)
 FILLER = ["Ġthe", "Ġquestion", "Ġasks", "Ġwhether", "Ġboth", "Ġare", "Ġsame", "Ġcompare"]
 FILLER += ["Ġfacts", "Ġand", "Ġcheck", "Ġwhich", "Ġone", "Ġis", "Ġolder", "Ġfirst"]
@@ -68,7 +69,7 @@ def build_scripted_model(directory: str, last_prompt_token: str, p_correct: floa
 
     if not 0 < p_correct <= 0.5:
         raise ValueError(f"--p-correct must be in (0, 0.5], got {p_correct}")
-    path = build_tiny_model(str(SHARED / "tokenizers" / "qwen2.5"), directory, tie_word_embeddings=False)
+    path = build_tiny_model(str(DATA / "tokenizers" / "qwen2.5"), directory, tie_word_embeddings=False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     t = tokenizer.convert_tokens_to_ids
@@ -119,7 +120,7 @@ def resolve_workload(args: argparse.Namespace, work: Path) -> tuple[str, list[di
     items = items[: args.num_questions]
     rows = [{"id": str(i), "question": q.question, "golden_answers": q.golden_answers} for i, q in enumerate(items)]
     if model == "scripted":
-        tok = AutoTokenizer.from_pretrained(str(SHARED / "tokenizers" / "qwen2.5"))
+        tok = AutoTokenizer.from_pretrained(str(DATA / "tokenizers" / "qwen2.5"))
         ids = tok.encode(render_prompt(tok, build_messages("q", "searchr1"), "searchr1"), add_special_tokens=False)
         last = tok.convert_ids_to_tokens(ids[-1])
         model = build_scripted_model(str(work / "model"), last, args.p_correct, args.think_tokens)
@@ -330,7 +331,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--model", default="scripted", help="scripted | toy | a local model directory")
-    add("--items", type=Path, help="QA file (default: the yes/no questions of ../shared/data/benchmarks)")
+    add("--items", type=Path, help="QA file (default: the yes/no questions of data/benchmarks)")
     add("--num-questions", type=int, default=64)
     add("--prompts", type=int, default=4, help="B: prompts (kept groups) per step")
     add("--group-size", type=int, default=5, help="G")
@@ -371,7 +372,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dspo_bench_vs_trl_"))
     model, rows, prompts = resolve_workload(args, work)
     (work / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    corpus = (SHARED / "data" / "hotpotqa_dev500" / "corpus.jsonl").read_text().splitlines()[:50]
+    with gzip.open(DATA / "hotpotqa_dev500" / "corpus.jsonl.gz", "rt", encoding="utf-8") as f:
+        corpus = [next(f).rstrip("\n") for _ in range(50)]
     (work / "corpus.jsonl").write_text("\n".join(corpus) + "\n")
     print(
         f"model {model}; {len(rows)} questions; B={b} x G={g}, {args.max_new_tokens} new tokens, "

@@ -16,12 +16,13 @@ from omegaconf import OmegaConf
 from dspo.evaluate import CheckpointError, export_checkpoint, load_eval_sets
 from dspo.evaluation import read_predictions, score
 from dspo.metrics import exact_match, sub_exact_match, token_f1
+from dspo.resources import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT / ".." / "shared"
-TOKENIZER = SHARED / "tokenizers" / "qwen2.5"
-CORPUS = SHARED / "data" / "hotpotqa_dev500" / "corpus.jsonl"
-BENCHMARKS = SHARED / "data" / "benchmarks"
+DATA = data_dir()
+TOKENIZER = DATA / "tokenizers" / "qwen2.5"
+CORPUS = DATA / "hotpotqa_dev500" / "corpus.jsonl.gz"
+BENCHMARKS = DATA / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +207,6 @@ def eval_overrides(tiny_model: str, index_dir: Path, out: Path, limit: int) -> l
         f"retriever.index={index_dir}",
         f"retriever.corpus={CORPUS}",
         "retriever.show_progress=false",
-        f"paths.shared_data={SHARED / 'data'}",
         "~data.files",  # a dict override would merge into the seven defaults: replace it instead
         "+data.files={" + ",".join(f"{b}:{b}.jsonl" for b in TWO_BENCHMARKS) + "}",
         f"eval.limit={limit}",

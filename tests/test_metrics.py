@@ -1,7 +1,6 @@
 """Answer metrics: FlashRAG/Search-R1 normalization, subEM/EM/F1 by hand, the shared benchmarks, distributed sync."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from dspo.metrics import (
     sub_exact_match,
     token_f1,
 )
+from dspo.resources import data_dir
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "benchmarks"
+BENCHMARKS = data_dir() / "benchmarks"
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_token_f1_yes_no_noanswer_must_match_exactly() -> None:
 
 def _benchmark_golds() -> list[str]:
     files = sorted(BENCHMARKS.glob("*.jsonl"))
-    assert files, f"no benchmark files under {BENCHMARKS}; the tests expect ../shared beside the repository"
+    assert files, f"no benchmark files under {BENCHMARKS}; the repository carries them in data/benchmarks"
     golds = []
     for path in files:
         with path.open(encoding="utf-8") as f:

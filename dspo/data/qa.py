@@ -8,10 +8,11 @@ Three row schemas are recognised from a file's columns:
   question is recovered from the prompt's text after its last `Question:`.
 - **plain** (`question` + `answer` or `answers`).
 
-A source is a local file (`.jsonl`, `.json`, `.parquet`), a local folder holding `<split>.jsonl|json|parquet`, or —
-only when the machine is online — a Hugging Face hub dataset written `owner/name` or `owner/name:config`
-(e.g. `RUC-NLPIR/FlashRAG_datasets:nq`). The benchmark of an item is the `benchmark` argument, else the row's
-`data_source`, else the file's stem (the folder's name, the hub config).
+A source is a local file (`.jsonl`, `.json`, `.parquet`), a local folder holding `<split>.jsonl|json|parquet`, or a
+Hugging Face hub dataset written `owner/name` or `owner/name:config` (e.g. `RUC-NLPIR/FlashRAG_datasets:nq`): fetched
+when the machine is online, or read from `$DSPO_HUB_MIRROR/owner/name` when that local snapshot of the hub repository
+exists (offline clusters; the tests use it with files in the hub repositories' own layouts). The benchmark of an item
+is the `benchmark` argument, else the row's `data_source`, else the file's stem (the folder's name, the hub config).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dspo.types import QAItem
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_MIRROR_VAR = "DSPO_HUB_MIRROR"
 
 
 class QADataError(ValueError):
@@ -124,17 +126,31 @@ def _open_hub(source: str, split: str) -> tuple[Any, str]:
             f"{source}: no such file or folder (relative paths resolve against {Path.cwd()}); "
             "give a .jsonl/.json/.parquet file, a folder with <split>.* files, or a hub name owner/name[:config]"
         )
+    location = _hub_location(name)
     offline = any(os.environ.get(var, "0").lower() in ("1", "true", "yes") for var in _OFFLINE_VARS)
-    if offline:
+    if offline and location == name:
         raise QADataError(
             f"{source}: looks like a Hugging Face hub dataset, but the machine is offline "
-            f"({'/'.join(_OFFLINE_VARS)} set); download it elsewhere and pass the local file instead"
+            f"({'/'.join(_OFFLINE_VARS)} set); download it elsewhere and pass the local file, or set "
+            f"{_MIRROR_VAR}=DIR to a folder holding {name}/ as downloaded from the hub"
         )
     try:
-        dataset = datasets.load_dataset(name, config or None, split=split)
+        # One call for the hub and a mirror: `datasets` reads a repository's README `configs:` the same way in both.
+        dataset = datasets.load_dataset(location, config or None, split=split)
     except Exception as error:
-        raise QADataError(f"{source}: could not load hub dataset (split={split!r}): {error}") from error
+        raise QADataError(f"{source}: could not load hub dataset from {location} (split={split!r}): {error}") from error
     return dataset, config or name.split("/")[-1]
+
+
+def _hub_location(name: str) -> str:
+    """`$DSPO_HUB_MIRROR/owner/name` when that folder exists (a hub snapshot, e.g. `hf download --repo-type dataset
+    owner/name --local-dir MIRROR/owner/name` on a machine that has network), else the hub name itself."""
+    mirror = os.environ.get(_MIRROR_VAR)
+    if mirror:
+        local = Path(mirror).expanduser() / name
+        if local.is_dir():
+            return str(local)
+    return name
 
 
 def _detect_schema(columns: set[str], source: str) -> str:

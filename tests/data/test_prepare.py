@@ -121,3 +121,78 @@ def test_cli_writes_files(sources: Path, tmp_path: Path) -> None:
     assert "train.jsonl" in result.stdout and "test/bamboogle.jsonl" in result.stdout
     assert sorted(p.name for p in (out / "test").iterdir()) == ["bamboogle.jsonl", "popqa.jsonl"]
     assert not (tmp_path / "outputs").exists() and not (tmp_path / ".hydra").exists()
+
+
+# The hub repositories' own layouts, as `hf download --repo-type dataset` writes them: FlashRAG_datasets declares one
+# config per benchmark in its README (`configs:` with `data_files` per split); Search-R1's train/test repository holds
+# bare parquet files whose names are the splits.
+FLASHRAG_SPLITS = {
+    "nq": ("train", "test"),
+    "hotpotqa": ("train", "dev"),
+    "triviaqa": ("test",),
+    "popqa": ("test",),
+    "2wikimultihopqa": ("dev",),
+    "musique": ("dev",),
+    "bamboogle": ("test",),
+}
+
+
+def flashrag_hub_snapshot(root: Path) -> Path:
+    repo = root / "RUC-NLPIR" / "FlashRAG_datasets"
+    configs = []
+    for name, splits in FLASHRAG_SPLITS.items():
+        files = "".join(f"  - split: {split}\n    path: {name}/{split}.jsonl\n" for split in splits)
+        configs.append(f"- config_name: {name}\n  data_files:\n{files}")
+        for split in splits:
+            write_jsonl(repo / name / f"{split}.jsonl", flashrag_rows(f"{name}-{split}-", 3))
+    (repo / "README.md").write_text("---\nconfigs:\n" + "".join(configs) + "---\n# FlashRAG datasets (test copy)\n")
+    return repo
+
+
+def test_hub_names_read_from_a_local_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flashrag_hub_snapshot(tmp_path / "mirror")
+    monkeypatch.setenv("DSPO_HUB_MIRROR", str(tmp_path / "mirror"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    items = load_with_splits("RUC-NLPIR/FlashRAG_datasets:hotpotqa", ["test", "dev"])
+    assert [i.golden_answers for i in items] == [["hotpotqa-dev-0"], ["hotpotqa-dev-1"], ["hotpotqa-dev-2"]]
+    assert {i.benchmark for i in items} == {"hotpotqa"}  # the config names the benchmark
+    search_r1 = tmp_path / "mirror" / "PeterJinGo" / "nq_hotpotqa_train"
+    search_r1.mkdir(parents=True)
+    import datasets
+
+    datasets.Dataset.from_dict(
+        {
+            "data_source": ["nq", "hotpotqa"],
+            "prompt": [[{"role": "user", "content": f"Answer. Question: q{i}?\n"}] for i in range(2)],
+            "reward_model": [{"style": "rule", "ground_truth": {"target": [f"a{i}"]}} for i in range(2)],
+        }
+    ).to_parquet(str(search_r1 / "test.parquet"))
+    rows = load_qa("PeterJinGo/nq_hotpotqa_train", split="test")
+    assert [(i.benchmark, i.question, i.golden_answers) for i in rows] == [
+        ("nq", "q0?", ["a0"]),
+        ("hotpotqa", "q1?", ["a1"]),
+    ]
+    with pytest.raises(QADataError, match="split='train'"):  # the snapshot has no train split: a clear error
+        load_qa("PeterJinGo/nq_hotpotqa_train", split="train")
+
+
+@pytest.mark.slow
+def test_cli_default_hub_sources_from_a_local_snapshot(tmp_path: Path) -> None:
+    """`dspo-prepare-data` with its default (hub) sources, unchanged, read from a snapshot in the hub's layout."""
+    flashrag_hub_snapshot(tmp_path / "mirror")
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DSPO_HUB_MIRROR": str(tmp_path / "mirror")}
+    result = subprocess.run(
+        [sys.executable, "-m", "dspo.data.prepare", f"output_dir={out}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.stem for p in (out / "test").iterdir()) == sorted(FLASHRAG_SPLITS)
+    train = load_qa(str(out / "train.jsonl"))
+    assert sorted(i.benchmark for i in train) == ["hotpotqa"] * 3 + ["nq"] * 3
+    musique = load_qa(str(out / "test" / "musique.jsonl"))  # no test split: Search-R1's fallback to dev
+    assert [i.golden_answers for i in musique] == [["musique-dev-0"], ["musique-dev-1"], ["musique-dev-2"]]

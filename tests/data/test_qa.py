@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dspo.data.qa import QADataError, load_benchmarks, load_qa
+from dspo.resources import data_dir
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-BENCHMARKS = SHARED / "data" / "benchmarks"
+BENCHMARKS = data_dir() / "benchmarks"
 COUNTS = {
     "nq": 1000,
     "triviaqa": 1000,

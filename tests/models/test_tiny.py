@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspo.models.tiny import build_tiny_model, steer_tiny_model
+from dspo.resources import data_dir
 
-QWEN_TOKENIZER = Path(__file__).resolve().parents[2] / ".." / "shared" / "tokenizers" / "qwen2.5"
+QWEN_TOKENIZER = data_dir() / "tokenizers" / "qwen2.5"
 
 
 @pytest.mark.slow

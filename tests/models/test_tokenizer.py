@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -11,8 +10,9 @@ from transformers import AutoTokenizer
 
 from dspo.data.toyworld import ToyWorldConfig, generate_world
 from dspo.models import tokenizer as tk
+from dspo.resources import data_dir
 
-QWEN = Path(__file__).resolve().parents[2] / ".." / "shared" / "tokenizers" / "qwen2.5" / "tokenizer_config.json"
+QWEN = data_dir() / "tokenizers" / "qwen2.5" / "tokenizer_config.json"
 SCHEMA = {
     "type": "function",
     "function": {

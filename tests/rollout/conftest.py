@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from dspo.resources import QWEN_TOKENIZER as QWEN_TOKENIZER_PARTS
+from dspo.resources import data_dir
 from dspo.types import Passage
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-QWEN_TOKENIZER = SHARED / "tokenizers" / "qwen2.5"
+QWEN_TOKENIZER = data_dir().joinpath(*QWEN_TOKENIZER_PARTS)
 
 
 class StaticRetriever:
@@ -64,7 +63,7 @@ def qwen_tokenizer():
     from transformers import AutoTokenizer
 
     if not QWEN_TOKENIZER.is_dir():
-        pytest.fail(f"Qwen2.5 tokenizer not found at {QWEN_TOKENIZER} (the shared/ folder must sit beside the repo)")
+        pytest.fail(f"Qwen2.5 tokenizer not found at {QWEN_TOKENIZER} (the repository carries it in data/)")
     return AutoTokenizer.from_pretrained(str(QWEN_TOKENIZER))
 
 

@@ -11,13 +11,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from dspo.resources import data_dir
 from dspo.search.base import Retriever
 from dspo.search.bm25 import BM25Index, Tokenizer, _top_k, build_or_load_index, load_retriever, recall_at_k
 from dspo.search.corpus import load_corpus
 from dspo.types import Passage
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO / ".." / "shared" / "data" / "hotpotqa_dev500"
+HOTPOTQA = data_dir() / "hotpotqa_dev500"
 
 DOCS = [
     Passage("d0", "Paris", "Paris is the capital of France."),
@@ -148,13 +149,13 @@ def test_retriever_configs_instantiate(tmp_path: Path) -> None:
         remote = instantiate(compose("remote"))
     assert isinstance(built, Retriever) and isinstance(remote, Retriever)
     assert loaded.search(["paris capital"], 1)[0][0].id == "d0"
-    assert remote.url == "http://127.0.0.1:8000/retrieve" and remote.max_retries == 3
+    assert remote.url == "http://127.0.0.1:8000/retrieve" and remote.max_wait_s == 600.0
 
 
 @pytest.fixture(scope="module")
-def shared_results() -> dict:
-    passages = load_corpus(SHARED / "corpus.jsonl")
-    rows = [json.loads(line) for line in (SHARED / "questions.jsonl").read_text().splitlines() if line.strip()]
+def hotpotqa_results() -> dict:
+    passages = load_corpus(HOTPOTQA / "corpus.jsonl.gz")
+    rows = [json.loads(line) for line in (HOTPOTQA / "questions.jsonl").read_text().splitlines() if line.strip()]
     queries = [row["question"] for row in rows]
     out = {"gold": [row["metadata"]["supporting_titles"] for row in rows]}
     for backend in ("bm25s", "rank_bm25"):
@@ -163,8 +164,8 @@ def shared_results() -> dict:
 
 
 @pytest.mark.slow
-def test_backends_agree_on_shared_questions(shared_results: dict) -> None:
-    fast, ref = shared_results["bm25s"], shared_results["rank_bm25"]
+def test_backends_agree_on_hotpotqa_questions(hotpotqa_results: dict) -> None:
+    fast, ref = hotpotqa_results["bm25s"], hotpotqa_results["rank_bm25"]
     assert len(fast) == 500
     agree = sum([p.id for p in a] == [p.id for p in b] for a, b in zip(fast, ref)) / len(fast)
     print(f"\nbm25s vs rank_bm25 top-5 id agreement: {agree:.3f}")
@@ -174,8 +175,8 @@ def test_backends_agree_on_shared_questions(shared_results: dict) -> None:
 
 
 @pytest.mark.slow
-def test_recall_at_5_of_supporting_titles(shared_results: dict) -> None:
-    recall = recall_at_k(shared_results["bm25s"], shared_results["gold"])
+def test_recall_at_5_of_supporting_titles(hotpotqa_results: dict) -> None:
+    recall = recall_at_k(hotpotqa_results["bm25s"], hotpotqa_results["gold"])
     print(f"\nrecall@5 of supporting titles (bm25s): {recall:.3f}")
     assert recall >= 0.70
-    assert recall_at_k(shared_results["rank_bm25"], shared_results["gold"]) == pytest.approx(recall, abs=0.01)
+    assert recall_at_k(hotpotqa_results["rank_bm25"], hotpotqa_results["gold"]) == pytest.approx(recall, abs=0.01)

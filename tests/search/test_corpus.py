@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from dspo.resources import data_dir
 from dspo.search.corpus import iter_corpus, load_corpus, split_contents
 
-SHARED_CORPUS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "hotpotqa_dev500" / "corpus.jsonl"
+HOTPOTQA_CORPUS = data_dir() / "hotpotqa_dev500" / "corpus.jsonl.gz"
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
@@ -82,7 +83,7 @@ def test_split_contents_keeps_inner_quotes() -> None:
     assert split_contents("Plain title\ntext") == ("Plain title", "text")
 
 
-def test_shared_corpus_loads() -> None:
-    passages = load_corpus(SHARED_CORPUS)
+def test_hotpotqa_corpus_loads() -> None:
+    passages = load_corpus(HOTPOTQA_CORPUS)
     assert len(passages) == 4943
     assert passages[0].title == "Meet Corliss Archer"
