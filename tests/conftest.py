@@ -1,11 +1,84 @@
-"""Test settings for every test: in-process vLLM with a small KV cache, fixed threads, offline hubs."""
+"""Test settings for every test (in-process vLLM with a small KV cache, offline hubs) and the end-to-end fixtures:
+the toy warm start built once per session, and a `dspo-train` runner."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The embedded default, shortened for end-to-end tests: 2 mini-batches per round so that prefetching vs. on-policy
+# rounds is exercised.
+SHORT_DEFAULT = [
+    "algorithm.group_size=4",
+    "algorithm.batch_groups=2",
+    "algorithm.num_minibatches=2",
+    "algorithm.micro_batch_size=4",
+    "data.val_limit=16",
+    "data.test_limit=16",
+    "trainer.val_check_interval=2",
+    "callbacks.environment.sample_every_n_rounds=1",
+]
+
+
+def train_env(cache: Path, outputs: Path) -> dict[str, str]:
+    return {**os.environ, "DSPO_CACHE": str(cache), "DSPO_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def toy_cache(tmp_path_factory) -> Path:
+    """Build the toy world + tokenizer + warm-started model once per test session (prepare step only, no training).
+
+    DSPO_TEST_CACHE=DIR keeps that build between test sessions (its manifests rebuild whatever changed)."""
+    reuse = os.environ.get("DSPO_TEST_CACHE")
+    cache = Path(reuse) if reuse else tmp_path_factory.mktemp("dspo_cache")
+    code = (
+        "from hydra import compose, initialize_config_dir\n"
+        "from dspo.train import CONF_DIR, prepare\n"
+        "with initialize_config_dir(config_dir=CONF_DIR, version_base='1.3'):\n"
+        "    cfg = compose(config_name='train', overrides=['output_dir=/tmp'])\n"
+        "prepare(cfg)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=train_env(cache, cache / "outputs"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return cache
+
+
+@pytest.fixture()
+def run_train(toy_cache: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """`run_train(args, outputs)`: `python -m dspo.train ARGS` on the toy cache, as a user starts it; asserts exit 0."""
+
+    def run(args: list[str], outputs: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "dspo.train", *args]
+        env = train_env(toy_cache, outputs)
+        result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        return result
+
+    return run
+
+
+@pytest.fixture()
+def short_default() -> list[str]:
+    """The shortened default's overrides (a fresh list per test)."""
+    return list(SHORT_DEFAULT)

@@ -1,0 +1,153 @@
+"""Checkpoints counted in rounds, the newest K kept, and a clean save-and-stop on a scheduler's preemption signal.
+
+Why not Lightning's own handling: `ModelCheckpoint` counts optimizer steps (a round is M of them, and a checkpoint
+inside a round resumes with a fresh round), keeps "top K" only of a monitored value, and Lightning's SIGTERM handler
+stops without saving (it also issues a collective from inside the signal handler). Here:
+
+- `RoundCheckpoint` saves every `every_n_rounds` rounds (always at a round boundary) and keeps the `keep_last` newest
+  (monitor = the global step, mode max), plus `last.ckpt`. A `kill -9` then loses at most `every_n_rounds` rounds.
+- `PreemptionCheckpoint` turns SIGTERM / SIGUSR1 (SLURM's `--signal=USR1@120`, Kubernetes' SIGTERM before SIGKILL)
+  into a flag; at the end of the current round every rank agrees (any rank signalled -> all stop), `last.ckpt` is
+  written and the run stops cleanly. Under SLURM (`SLURM_JOB_ID` set) rank 0 then requeues the job with
+  `scontrol requeue` (Lightning's own SIGUSR1 requeue handler is replaced by this one for the run). `dspo-train` skips
+  the test pass and exits 0; `ckpt_path=last` (or `auto`) continues from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+class RoundCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` every `every_n_rounds` rounds of `steps_per_round` optimizer steps, keeping the newest
+    `keep_last` (0 = only `last.ckpt`, -1 = all)."""
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_rounds: int = 1,
+        steps_per_round: int = 1,
+        keep_last: int = 2,
+        filename: str = "step{step:05d}",
+    ) -> None:
+        if every_n_rounds < 1:
+            raise ValueError(f"callbacks.checkpoint.every_n_rounds must be >= 1, got {every_n_rounds}")
+        if steps_per_round < 1:
+            raise ValueError(
+                f"callbacks.checkpoint.steps_per_round must be >= 1 (algorithm.num_minibatches), got {steps_per_round}"
+            )
+        if keep_last < -1:
+            raise ValueError(
+                f"callbacks.checkpoint.keep_last must be -1 (all), 0 (only last.ckpt) or more, got {keep_last}"
+            )
+        self.every_n_rounds, self.steps_per_round = every_n_rounds, steps_per_round
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            auto_insert_metric_name=False,
+            save_last=True,
+            every_n_train_steps=every_n_rounds * steps_per_round,
+            save_top_k=keep_last,
+            monitor="step",  # always available: Lightning fills it with the global step
+            mode="max",
+            save_on_train_epoch_end=False,
+        )
+
+
+_SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2, "SIGINT": signal.SIGINT}
+
+
+class PreemptionCheckpoint(pl.Callback):
+    """Save `last.ckpt` at the next round boundary after one of `signals`, then stop the run cleanly.
+
+    Args:
+        dirpath: checkpoint folder (the same as the round checkpoints', so `ckpt_path=last` finds it).
+        steps_per_round: M; the save waits for the round's last mini-batch so that resume loses nothing.
+        signals: names of the signals that mean "save and stop" (SIGTERM, SIGUSR1 by default).
+        slurm_requeue: under SLURM, requeue the job after saving (its next start resumes with ckpt_path=auto).
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        steps_per_round: int = 1,
+        signals: tuple[str, ...] | list[str] = ("SIGTERM", "SIGUSR1"),
+        slurm_requeue: bool = True,
+    ) -> None:
+        unknown = [name for name in signals if name not in _SIGNALS]
+        if unknown:
+            raise ValueError(f"callbacks.preemption.signals: unknown {unknown}; choose from {sorted(_SIGNALS)}")
+        if steps_per_round < 1:
+            raise ValueError(f"callbacks.preemption.steps_per_round must be >= 1, got {steps_per_round}")
+        self.dirpath, self.steps_per_round, self.signals = Path(dirpath), steps_per_round, list(signals)
+        self.slurm_requeue = slurm_requeue
+        self.received: str | None = None  # name of the signal that arrived (set by the handler only)
+        self.saved_to: str | None = None  # the checkpoint written when the run stopped for it
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:  # a signal handler must only record: no I/O, no collectives
+        self.received = signal.Signals(signum).name
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("preemption signals not handled: training does not run in the main thread")
+            return
+        for name in self.signals:  # after Lightning registered its handlers, so these replace them for the run
+            self._previous[_SIGNALS[name]] = signal.signal(_SIGNALS[name], self._handle)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        round_ends = getattr(batch, "minibatch_index", trainer.global_step - 1) % self.steps_per_round
+        if round_ends != self.steps_per_round - 1:
+            return
+        if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            return
+        path = self.dirpath / "last.ckpt"
+        trainer.save_checkpoint(str(path))
+        self.saved_to = str(path)
+        trainer.should_stop = True
+        log.warning(
+            "%s received: checkpoint saved to %s at step %d (end of a round); stopping. Resume with ckpt_path=last",
+            self.received or "a signal on another rank",
+            path,
+            trainer.global_step,
+        )
+        if self.slurm_requeue and trainer.is_global_zero and os.environ.get("SLURM_JOB_ID"):
+            requeue_slurm_job(os.environ["SLURM_JOB_ID"])
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def requeue_slurm_job(job_id: str) -> bool:
+    """`scontrol requeue JOB`; a failure is logged (the checkpoint is saved either way), never raised."""
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        log.warning("could not requeue SLURM job %s (%s); resubmit it with ckpt_path=auto", job_id, error)
+        return False
+    if result.returncode != 0:
+        log.warning("scontrol requeue %s failed (%s); resubmit it with ckpt_path=auto", job_id, result.stderr.strip())
+        return False
+    log.warning("requeued SLURM job %s", job_id)
+    return True
+
+
+def preempted(trainer: pl.Trainer) -> str | None:
+    """The checkpoint a `PreemptionCheckpoint` saved when the run stopped for a signal, else None."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, PreemptionCheckpoint) and callback.saved_to:
+            return callback.saved_to
+    return None

@@ -1,0 +1,149 @@
+"""Round-counted checkpoints (interval, newest K kept, what a kill -9 loses) and save-and-stop on SIGTERM / SIGUSR1,
+on a tiny Lightning model in a subprocess (real signals, real files)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspo.callbacks.checkpoints import PreemptionCheckpoint, RoundCheckpoint
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch, lightning.pytorch as pl
+    from pathlib import Path
+    from dspo.callbacks.checkpoints import PreemptionCheckpoint, RoundCheckpoint
+
+    out, delay = Path(sys.argv[1]), float(sys.argv[5])
+    max_steps, every, per_round = (int(a) for a in sys.argv[2:5])
+    resume = sys.argv[6] if len(sys.argv) > 6 else None
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+        def training_step(self, batch, batch_idx):
+            time.sleep(delay)
+            (out / "progress").write_text(str(self.global_step + 1))
+            return self.layer(batch).pow(2).mean()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(10_000, 4), batch_size=2)
+
+    callbacks = [
+        RoundCheckpoint(str(out / "ckpt"), every_n_rounds=every, steps_per_round=per_round, keep_last=2),
+        PreemptionCheckpoint(str(out / "ckpt"), steps_per_round=per_round),
+    ]
+    trainer = pl.Trainer(max_steps=max_steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", default_root_dir=str(out))
+    trainer.fit(Tiny(), ckpt_path=resume)
+    print("stopped at", trainer.global_step, "preempted:", callbacks[1].saved_to, flush=True)
+    """
+)
+
+
+def _start(tmp_path: Path, *args: object) -> subprocess.Popen:
+    script = tmp_path / "train_tiny.py"
+    script.write_text(SCRIPT)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _wait_for_step(tmp_path: Path, process: subprocess.Popen, step: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    progress = tmp_path / "progress"
+    while time.time() < deadline:
+        if progress.is_file() and progress.read_text() and int(progress.read_text()) >= step:
+            return
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"training did not reach step {step} in {timeout} s")
+
+
+def _global_step(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
+
+
+def test_round_checkpoint_saves_every_n_rounds_and_keeps_the_newest(tmp_path: Path) -> None:
+    process = _start(tmp_path, 12, 2, 2, 0.0)  # 12 steps, every 2 rounds of 2 steps -> saves at 4, 8, 12
+    _, err = process.communicate(timeout=180)
+    assert process.returncode == 0, err[-3000:]
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["last.ckpt", "step00008.ckpt", "step00012.ckpt"]  # keep_last=2 pruned step00004
+    assert _global_step(tmp_path / "ckpt" / "last.ckpt") == 12
+
+
+def test_kill_9_loses_at_most_the_save_interval(tmp_path: Path) -> None:
+    every, per_round = 3, 1
+    process = _start(tmp_path, 10_000, every, per_round, 0.02)
+    _wait_for_step(tmp_path, process, 17)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    killed_at = int((tmp_path / "progress").read_text())
+    saved = _global_step(tmp_path / "ckpt" / "last.ckpt")
+    assert saved % (every * per_round) == 0
+    assert killed_at - every * per_round <= saved <= killed_at
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_at_the_round_end_stops_cleanly_and_resumes(tmp_path: Path, signum) -> None:
+    per_round = 4
+    process = _start(tmp_path, 10_000, 1000, per_round, 0.05)  # no periodic save within reach: only the signal's
+    _wait_for_step(tmp_path, process, 5)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]  # a clean stop, not a death by signal
+    assert "preempted: " + str(tmp_path / "ckpt" / "last.ckpt") in out
+    assert f"{signal.Signals(signum).name} received" in err
+    saved = _global_step(tmp_path / "ckpt" / "last.ckpt")
+    assert saved % per_round == 0 and saved >= 8  # the round in progress finished, then it saved
+    resumed = _start(tmp_path, saved + per_round, 1000, per_round, 0.0, tmp_path / "ckpt" / "last.ckpt")
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"stopped at {saved + per_round} preempted: None" in out
+
+
+def test_slurm_job_is_requeued_after_the_save(tmp_path: Path) -> None:
+    """Under SLURM rank 0 runs `scontrol requeue $SLURM_JOB_ID` after saving (a stand-in scontrol records the call)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "scontrol_args"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    os.environ["PATH"], old_path = f"{bin_dir}:{os.environ['PATH']}", os.environ["PATH"]
+    os.environ["SLURM_JOB_ID"] = "4242"
+    try:
+        process = _start(tmp_path, 10_000, 1000, 2, 0.05)
+    finally:
+        os.environ["PATH"] = old_path
+        del os.environ["SLURM_JOB_ID"]
+    _wait_for_step(tmp_path, process, 3)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    assert (tmp_path / "scontrol_args").read_text().split() == ["requeue", "4242"]
+    assert "requeued SLURM job 4242" in err
+
+
+def test_invalid_settings_name_their_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="callbacks.checkpoint.every_n_rounds"):
+        RoundCheckpoint(str(tmp_path), every_n_rounds=0)
+    with pytest.raises(ValueError, match="callbacks.checkpoint.keep_last"):
+        RoundCheckpoint(str(tmp_path), keep_last=-2)
+    with pytest.raises(ValueError, match="callbacks.preemption.signals"):
+        PreemptionCheckpoint(str(tmp_path), signals=["SIGHUP"])
+    checkpoint = RoundCheckpoint(str(tmp_path), every_n_rounds=3, steps_per_round=2, keep_last=5)
+    assert (checkpoint._every_n_train_steps, checkpoint.save_top_k, checkpoint.monitor) == (6, 5, "step")
