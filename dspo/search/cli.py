@@ -50,7 +50,14 @@ def run_serve(cfg: DictConfig) -> None:
         f"{time.perf_counter() - start:.1f}s; serving POST http://{cfg.host}:{cfg.port}/retrieve and GET /health",
         flush=True,
     )
-    serve(retriever, host=str(cfg.host), port=int(cfg.port), limits=limits, log_level=str(cfg.log_level))
+    serve(
+        retriever,
+        host=str(cfg.host),
+        port=int(cfg.port),
+        limits=limits,
+        log_level=str(cfg.log_level),
+        keep_alive_s=int(cfg.keep_alive_s),
+    )
 
 
 @hydra.main(config_path=CONF_DIR, config_name="index", version_base="1.3")

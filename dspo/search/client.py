@@ -1,18 +1,24 @@
 """Client for a retrieval service speaking Search-R1's `POST /retrieve` (dspo-serve or Search-R1's own server).
 
-Connection failures, timeouts and 5xx answers are retried `max_retries` times with exponential backoff
-(`backoff_s`, 2·backoff_s, ...); a 4xx is the caller's fault and fails at once with the server's message. When the
-service stays unreachable, `RetrieverUnavailableError` names the URL and how to start a server.
+Connection failures, timeouts and 5xx answers are retried with exponential backoff (`backoff_s`, 2·backoff_s, ...,
+at most `max_backoff_s` apart) until `max_wait_s` has passed since the first failure, so a training run outlives a
+restart of the service (a 21M-passage index takes minutes to load). Each wait is logged as a warning naming the URL
+and counted in `retries`. A 4xx is the caller's fault and fails at once with the server's message. When the service
+stays unreachable for the whole window, `RetrieverUnavailableError` names the URL and how to start a server.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import httpx
 
 from dspo.search.corpus import split_contents
 from dspo.types import Passage
+
+log = logging.getLogger(__name__)
 
 
 class RetrieverUnavailableError(RuntimeError):
@@ -48,25 +54,33 @@ class RemoteRetriever:
         self,
         url: str = "http://127.0.0.1:8000/retrieve",
         timeout_s: float = 30.0,
-        max_retries: int = 3,
+        max_wait_s: float = 600.0,
         backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
-        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0:
+        if timeout_s <= 0 or max_wait_s < 0 or backoff_s < 0 or max_backoff_s < backoff_s:
             raise ValueError(
-                f"need timeout_s > 0, max_retries >= 0, backoff_s >= 0; got {timeout_s}, {max_retries}, {backoff_s}"
+                "retriever: need timeout_s > 0, max_wait_s >= 0, 0 <= backoff_s <= max_backoff_s; got "
+                f"timeout_s={timeout_s}, max_wait_s={max_wait_s}, backoff_s={backoff_s}, max_backoff_s={max_backoff_s}"
             )
         self.url = url
         self.timeout_s = timeout_s
-        self.max_retries = max_retries
+        self.max_wait_s = max_wait_s
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.retries = 0  # waits so far (all calls, all threads); logged per round as rollout/retriever_retries
+        self._lock = threading.Lock()
         self._transport = transport  # tests inject httpx.MockTransport here
         self._client: httpx.Client | None = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_client": None}
+        return {**self.__dict__, "_client": None, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     @property
     def client(self) -> httpx.Client:
@@ -97,27 +111,44 @@ class RemoteRetriever:
         ]
 
     def _post(self, payload: dict) -> object:
-        last_error = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+        first_failure: float | None = None
+        attempt = 0
+        while True:
             try:
                 response = self.client.post(self.url, json=payload)
+                error = f"HTTP {response.status_code}: {response.text[:200]}" if response.status_code >= 500 else ""
             except httpx.TransportError as err:  # refused, reset, DNS, timeouts
-                last_error = f"{type(err).__name__}: {err}"
-                continue
-            if response.status_code >= 500:
-                last_error = f"HTTP {response.status_code}: {response.text[:200]}"
-                continue
-            if response.status_code >= 400:
-                raise RetrieverRequestError(
-                    f"{self.url} rejected the request (HTTP {response.status_code}): {response.text[:500]}"
+                error = f"{type(err).__name__}: {err}"
+            if not error:
+                break
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            waited = now - first_failure
+            if waited >= self.max_wait_s:
+                raise RetrieverUnavailableError(
+                    f"retrieval service at {self.url} unavailable for {waited:.0f}s after {attempt + 1} attempts "
+                    f"({error}). Start one with `dspo-serve index=DIR port=PORT`, set retriever.url to a running "
+                    "server, or raise retriever.max_wait_s."
                 )
-            try:
-                return response.json()
-            except ValueError:
-                raise RetrieverRequestError(f"{self.url} answered non-JSON: {response.text[:200]}") from None
-        raise RetrieverUnavailableError(
-            f"retrieval service at {self.url} unavailable after {self.max_retries + 1} attempts ({last_error}). "
-            "Start one with `dspo-serve index=DIR port=PORT` or set retriever.url to a running server."
-        )
+            sleep = min(self.backoff_s * 2 ** min(attempt, 30), self.max_backoff_s, self.max_wait_s - waited)
+            attempt += 1
+            with self._lock:
+                self.retries += 1
+            log.warning(
+                "retriever %s: %s; retry %d in %.1fs (waiting up to retriever.max_wait_s=%.0fs, %.0fs so far)",
+                self.url,
+                error,
+                attempt,
+                sleep,
+                self.max_wait_s,
+                waited,
+            )
+            time.sleep(sleep)
+        if response.status_code >= 400:
+            raise RetrieverRequestError(
+                f"{self.url} rejected the request (HTTP {response.status_code}): {response.text[:500]}"
+            )
+        try:
+            return response.json()
+        except ValueError:
+            raise RetrieverRequestError(f"{self.url} answered non-JSON: {response.text[:200]}") from None

@@ -19,25 +19,58 @@ def test_client_matches_in_process_index(server_url: str, tiny_index: BM25Index)
     assert client.search([], 3) == []
     restored = pickle.loads(pickle.dumps(client))  # e.g. sent to a worker process
     assert restored.search(["Berlin"], 1)[0][0].id == "p1"
+    assert restored.retries == 0 and restored._lock is not client._lock  # the lock is rebuilt, not shared
 
 
 def test_client_reports_4xx_without_retrying(server_url: str) -> None:
-    client = RemoteRetriever(f"{server_url}/retrieve", max_retries=5, backoff_s=10.0)
+    client = RemoteRetriever(f"{server_url}/retrieve", max_wait_s=60.0, backoff_s=10.0, max_backoff_s=10.0)
     start = time.monotonic()
     with pytest.raises(RetrieverRequestError, match=r"HTTP 422.*1\.\.100"):
         client.search(["paris"], 500)
     assert time.monotonic() - start < 5  # no backoff sleeps
 
 
-def test_client_retries_then_names_the_url_when_server_is_down(dead_port: int) -> None:
+def test_client_waits_max_wait_s_then_names_the_url_when_server_is_down(dead_port: int, caplog) -> None:
     url = f"http://127.0.0.1:{dead_port}/retrieve"
-    client = RemoteRetriever(url, timeout_s=2.0, max_retries=2, backoff_s=0.05)
+    client = RemoteRetriever(url, timeout_s=2.0, max_wait_s=0.3, backoff_s=0.05, max_backoff_s=0.1)
     start = time.monotonic()
-    with pytest.raises(RetrieverUnavailableError) as info:
+    with caplog.at_level("WARNING", logger="dspo.search.client"), pytest.raises(RetrieverUnavailableError) as info:
         client.search(["paris"], 3)
+    elapsed = time.monotonic() - start
     message = str(info.value)
-    assert url in message and "after 3 attempts" in message and "dspo-serve" in message
-    assert time.monotonic() - start >= 0.05 + 0.1  # backoff 0.05 then 0.1
+    assert url in message and "retriever.max_wait_s" in message and "dspo-serve" in message
+    # sleeps 0.05, 0.1, 0.1, then the rest of the 0.3 s window (0.05): 4 waits, each logged with the URL
+    assert 0.3 <= elapsed < 5 and client.retries == 4
+    waits = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert len(waits) == 4 and all(url in w and "max_wait_s=0s" in w for w in waits)
+    assert "retry 1 in 0.1s" in waits[0] or "retry 1 in 0.0s" in waits[0]
+    once = RemoteRetriever(url, timeout_s=2.0, max_wait_s=0.0)  # no window: the first failure is final
+    with pytest.raises(RetrieverUnavailableError, match="after 1 attempts"):
+        once.search(["paris"], 3)
+    assert once.retries == 0
+
+
+def test_client_outlives_an_outage_shorter_than_max_wait_s(monkeypatch) -> None:
+    """The service is down (refused, then 503 while loading) for longer than the old 3-retry budget, then answers."""
+    answers = [httpx.ConnectError("refused")] * 4 + [httpx.Response(503, text="loading")] * 3
+    hit = {"document": {"id": "1", "contents": '"T"\nbody'}, "score": 1.0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if answers:
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return httpx.Response(200, json={"result": [[hit]]})
+
+    slept: list[float] = []
+    monkeypatch.setattr("dspo.search.client.time.sleep", slept.append)
+    transport = httpx.MockTransport(handler)
+    client = RemoteRetriever(
+        "http://search.test/retrieve", max_wait_s=60.0, backoff_s=1.0, max_backoff_s=8.0, transport=transport
+    )
+    assert client.search(["q"], 1)[0][0].id == "1"
+    assert slept == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0] and client.retries == 7
 
 
 def test_client_retries_5xx_until_success() -> None:
@@ -51,9 +84,15 @@ def test_client_retries_5xx_until_success() -> None:
         return httpx.Response(200, json={"result": [[hit]]})
 
     transport = httpx.MockTransport(handler)
-    client = RemoteRetriever("http://search.test/retrieve", max_retries=3, backoff_s=0.0, transport=transport)
+    client = RemoteRetriever("http://search.test/retrieve", backoff_s=0.0, max_backoff_s=0.0, transport=transport)
     hits = client.search(["q"], 1)
-    assert len(calls) == 3 and hits[0][0].id == "7" and hits[0][0].title == "T" and hits[0][0].score == 2.5
+    assert (
+        len(calls) == 3
+        and client.retries == 2
+        and hits[0][0].id == "7"
+        and hits[0][0].title == "T"
+        and hits[0][0].score == 2.5
+    )
     assert calls[0].read() == b'{"queries":["q"],"topk":1,"return_scores":true}'
 
 
@@ -80,3 +119,7 @@ def test_client_validates_its_arguments() -> None:
         RemoteRetriever("127.0.0.1:8000/retrieve")
     with pytest.raises(ValueError, match="timeout_s > 0"):
         RemoteRetriever(timeout_s=0)
+    with pytest.raises(ValueError, match="max_wait_s=-1"):
+        RemoteRetriever(max_wait_s=-1)
+    with pytest.raises(ValueError, match="backoff_s <= max_backoff_s"):
+        RemoteRetriever(backoff_s=5.0, max_backoff_s=1.0)

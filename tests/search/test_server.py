@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from dspo.search.server import BadRequest, ServerLimits, parse_request
+from dspo.search.server import BadRequest, ServerLimits, parse_request, server_config
 
 
 def test_health(server_url: str) -> None:
@@ -77,3 +77,12 @@ def test_parse_request_accepts_search_r1_payload() -> None:
     with pytest.raises(BadRequest) as info:
         parse_request(b'{"queries": [null]}', ServerLimits())
     assert info.value.status == 422
+
+
+def test_server_keeps_idle_connections_longer_than_clients_do(tiny_index) -> None:
+    """Otherwise a busy server closes a pooled connection as a client reuses it (ReadError in the soak)."""
+    config = server_config(tiny_index, port=0)
+    client_expiry = httpx.Limits().keepalive_expiry
+    assert config.timeout_keep_alive == 30 > client_expiry and config.host == "127.0.0.1"
+    with pytest.raises(ValueError, match="keep_alive_s"):
+        server_config(tiny_index, keep_alive_s=0)
