@@ -118,6 +118,7 @@ class PolicyBatch:
     advantages: torch.Tensor  # [N] float
     old_logprobs: torch.Tensor | None = None  # [N, L] float, logπ_old at loss_mask positions (0 elsewhere)
     ref_logprobs: torch.Tensor | None = None  # [N, L] float, logπ_ref at loss_mask positions (0 elsewhere)
+    engine_logprobs: torch.Tensor | None = None  # [N, L] float, engine logprob at loss_mask positions (0 elsewhere)
     rewards: torch.Tensor | None = None  # [N] float
     policy_version: int = 0
 

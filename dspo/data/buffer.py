@@ -42,13 +42,18 @@ def _pad(rows: list[list[float]], value: float, dtype: torch.dtype) -> torch.Ten
 def collate_trajectories(
     trajectories: list[Trajectory], advantages: list[float], pad_token_id: int, policy_version: int
 ) -> PolicyBatch:
-    """Pad prompt+response of each trajectory to one [N, L] batch; loss_mask covers the response's mask-1 tokens."""
+    """Pad prompt+response of each trajectory to one [N, L] batch; loss_mask covers the response's mask-1 tokens.
+
+    Token t's engine logprob sits at position t, as loss_mask and the trainer's logprobs (dspo.models.logprobs) do.
+    """
     ids = [t.prompt_ids + t.response_ids for t in trajectories]
     masks = [[0] * len(t.prompt_ids) + list(t.response_mask) for t in trajectories]
+    engine = [[0.0] * len(t.prompt_ids) + list(t.engine_logprobs) for t in trajectories]
     return PolicyBatch(
         input_ids=_pad(ids, pad_token_id, torch.long),  # [N, L]
         attention_mask=_pad([[1] * len(x) for x in ids], 0, torch.long),  # [N, L]
         loss_mask=_pad(masks, 0, torch.float32),  # [N, L]
+        engine_logprobs=_pad(engine, 0.0, torch.float32),  # [N, L]
         advantages=torch.tensor(advantages, dtype=torch.float32),  # [N]
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),  # [N]
         policy_version=policy_version,

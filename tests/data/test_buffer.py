@@ -1,8 +1,13 @@
+from pathlib import Path
+
 import pytest
 import torch
 
+from dspo.algorithms.rollout_correction import correction_weights
 from dspo.data.buffer import build_round, collate_trajectories, padding_share
 from dspo.types import QAItem, RolloutGroup, Trajectory
+
+QWEN_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizers" / "qwen2.5"
 
 
 def _traj(prompt_len: int, response: list[int], mask: list[int], reward: float) -> Trajectory:
@@ -27,6 +32,7 @@ def test_collate_pads_and_masks_only_response_tokens():
     assert batch.input_ids.tolist() == [[1, 2, 5, 6, 7], [1, 2, 3, 8, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert batch.loss_mask.tolist() == [[0, 0, 1, 0, 1], [0, 0, 0, 1, 0]]
+    assert batch.engine_logprobs.tolist() == [[0, 0, -0.5, 0, -0.5], [0, 0, 0, -0.5, 0]]
     assert batch.advantages.tolist() == [0.5, -0.5] and batch.rewards.tolist() == [1.0, 0.0]
     assert batch.policy_version == 3
     assert padding_share([batch]) == pytest.approx(1 / 10)
@@ -60,3 +66,138 @@ def test_bucketing_reduces_padding_versus_random_order():
     unsorted = collate_trajectories([t for g in groups for t in g.trajectories], [0.0] * 8, 0, 0)
     assert bucketed < padding_share([unsorted]) / 3
     assert torch.isfinite(rnd.minibatches[0][0].advantages).all()
+
+
+def test_engine_logprobs_align_with_trainer_logprobs_on_a_multi_turn_layout(tmp_path):
+    """prompt | model turn | tool turn (mask 0) | model turn; two trajectories, different prompt lengths, right-padded.
+
+    The engine (HFEngine, fp32) and the trainer (masked_token_logprobs) run the same weights, so at every loss_mask
+    position the engine logprob in the PolicyBatch must equal the trainer's to fp32 noise; one position off is far off.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspo.models.logprobs import masked_token_logprobs
+    from dspo.rollout.engine import HFEngine, SamplingConfig
+    from dspo.toy.model import build_tiny_model
+
+    model_dir = build_tiny_model(str(QWEN_TOKENIZER), str(tmp_path / "tiny"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=6, seed=0)
+    tool_turn = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\nDoc 1 (Title: Paris) capital\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    trajectories = []
+    for question in ("Who wrote Hamlet, the play?", "Capital of France?"):
+        prompt = tokenizer.encode(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+        ids, mask, logprobs = [], [], []
+        for turn in range(2):  # appended exactly as the agent's _Episode.append does
+            (gen,) = engine.generate([prompt + ids], sampling)
+            ids, mask, logprobs = ids + gen.token_ids, mask + [1] * len(gen.token_ids), logprobs + gen.logprobs
+            if turn == 0:
+                ids, mask, logprobs = ids + tool_turn, mask + [0] * len(tool_turn), logprobs + [0.0] * len(tool_turn)
+        trajectories.append(Trajectory(prompt, response_ids=ids, response_mask=mask, engine_logprobs=logprobs))
+    batch = collate_trajectories(trajectories, [1.0, -1.0], tokenizer.pad_token_id, policy_version=0)
+    assert batch.input_ids.shape[1] > min(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)  # padding
+    with torch.no_grad():
+        trainer, _ = masked_token_logprobs(
+            model, batch.input_ids, batch.attention_mask, batch.loss_mask, temperature=sampling.temperature
+        )
+    keep = batch.loss_mask.bool()
+    assert int(keep.sum()) == sum(t.num_generated_tokens for t in trajectories) > 4
+    assert batch.engine_logprobs[~keep].eq(0).all()
+    torch.testing.assert_close(batch.engine_logprobs[keep], trainer[keep], atol=1e-4, rtol=0)
+    _, stats = correction_weights(trainer, batch.engine_logprobs, batch.loss_mask, "seq_mis")
+    assert stats["logprob_diff_abs_mean"] < 1e-4 and stats["masked_share"] == 0
+    # the check is sharp: engine logprobs one position late disagree by far more than the tolerance
+    shifted = torch.zeros_like(batch.engine_logprobs)
+    shifted[:, 1:] = batch.engine_logprobs[:, :-1]
+    _, off_by_one = correction_weights(trainer, shifted, batch.loss_mask, "none")
+    assert off_by_one["logprob_diff_abs_mean"] > 100 * stats["logprob_diff_abs_mean"] + 1e-3
+
+
+REWARDS = [[1, 0, 0, 1, 1], [0, 0, 1, 0, 0], [1, 1, 0, 1, 0]]
+
+
+def _named_groups(rewards: list[list[int]]) -> list[RolloutGroup]:
+    """Groups whose response tokens name (group, member) as 100 + 10·g + i; lengths differ so bucketing reorders."""
+    groups = []
+    for g, group_rewards in enumerate(rewards):
+        trajectories = [
+            _traj(3, [100 + 10 * g + i] * (2 + (7 * g + 3 * i) % 6), [1] * (2 + (7 * g + 3 * i) % 6), float(r))
+            for i, r in enumerate(group_rewards)
+        ]
+        groups.append(RolloutGroup(QAItem(id=str(g), question="q", golden_answers=["a"]), trajectories))
+    return groups
+
+
+def test_advantages_and_rewards_travel_with_their_trajectories():
+    """Every padded row carries its own trajectory's advantage (Eq. 10 within its group) and reward, whatever the
+    shuffle, split and length bucketing did to the order."""
+    groups = _named_groups(REWARDS)
+    rewards = REWARDS
+    expected = {}
+    for g, group_rewards in enumerate(rewards):
+        r = torch.tensor(group_rewards, dtype=torch.float32)
+        for i, value in enumerate(((r - r.mean()) / (r.std() + 1e-6)).tolist()):
+            expected[100 + 10 * g + i] = (value, float(group_rewards[i]))
+    seen = {}
+    rnd = build_round(groups, num_minibatches=3, micro_batch_size=2, pad_token_id=0, policy_version=0, seed=5)
+    for batch in (b for mb in rnd.minibatches for b in mb):
+        for row, advantage, reward in zip(batch.input_ids, batch.advantages, batch.rewards):
+            seen[int(row[3])] = (float(advantage), float(reward))
+    assert seen.keys() == expected.keys()
+    for key, (advantage, reward) in expected.items():
+        assert seen[key] == pytest.approx((advantage, reward), abs=1e-5), key
+
+
+def test_the_round_shuffle_is_seeded():
+    """Which trajectories form each of the 3 mini-batches depends on the seed only (15 trajectories: a random split
+    repeats by chance with probability 1/756756)."""
+    groups = _named_groups(REWARDS)
+
+    def split(seed: int) -> list[set[int]]:
+        rnd = build_round(groups, 3, 8, 0, 0, seed=seed)
+        return [{int(row[3]) for b in mb for row in b.input_ids} for mb in rnd.minibatches]
+
+    assert split(0) == split(0) and split(0) != split(1)
+
+
+def test_round_fields_versions_and_eps():
+    groups = [_group([1, 0, 0, 1], [2, 9, 3, 8]), _group([0, 0, 1, 0], [4, 5, 6, 7])]
+    rnd = build_round(groups, 2, 3, pad_token_id=0, policy_version=6, seed=0, adv_eps=1.0)
+    assert rnd.groups is groups and rnd.policy_version == 6
+    batches = [b for mb in rnd.minibatches for b in mb]
+    assert all(b.policy_version == 6 for b in batches)
+    # δ = 1 in Eq. 10: group 1 (std sqrt(1/3)) gives ±0.5/(0.577+1); group 2 (std 0.5) gives 0.75/1.5 and -0.25/1.5
+    expected = sorted([0.5 / (3**-0.5 + 1)] * 2 + [-0.5 / (3**-0.5 + 1)] * 2 + [0.5] + [-0.25 / 1.5] * 3)
+    assert sorted(float(a) for b in batches for a in b.advantages) == pytest.approx(expected, abs=1e-5)
+
+
+def test_round_errors_and_empty_padding_share():
+    assert padding_share([]) == 0.0
+    with pytest.raises(ValueError) as err:
+        build_round([], 1, 2, 0, 0, 0)
+    assert str(err.value) == "build_round got no rollout groups"
+    with pytest.raises(ValueError) as err:
+        build_round([_group([1, 0], [2, 3])], 3, 2, 0, 0, 0)
+    assert str(err.value) == (
+        "2 trajectories cannot be split into algorithm.num_minibatches=3 equal mini-batches; choose B*G divisible by it"
+    )
+
+
+def test_collate_dtypes():
+    """Token ids and attention are integer tensors, masks and per-sequence values float32 (what the trainer expects)."""
+    batch = collate_trajectories([_traj(2, [5, 6], [1, 1], 1.0), _traj(1, [8], [1], 0.0)], [0.5, -0.5], 0, 0)
+    assert batch.input_ids.dtype == batch.attention_mask.dtype == torch.long
+    assert batch.loss_mask.dtype == batch.engine_logprobs.dtype == torch.float32
+    assert batch.advantages.dtype == batch.rewards.dtype == torch.float32
+
+
+def test_collate_makes_integer_rewards_and_advantages_float():
+    trajectory = Trajectory([1], [2], [1], [0.0], reward=1)
+    batch = collate_trajectories([trajectory, trajectory], [1, -1], 0, 0)
+    assert batch.rewards.dtype == batch.advantages.dtype == torch.float32
