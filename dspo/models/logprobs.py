@@ -66,3 +66,31 @@ def masked_token_logprobs(
         if with_entropy:
             entropy = entropy.index_put((rows, cols + 1), torch.cat(token_entropy))
     return out, entropy
+
+
+class MaskedLogprobs(nn.Module):
+    """`forward(...)` = `masked_token_logprobs(lm, ...)`, as a module.
+
+    Why: `masked_token_logprobs` calls the decoder and the LM head separately, never the LM's own `forward`. Under
+    FSDP2 the parameters of the root unit (embeddings, final norm, LM head) are gathered and their gradients
+    reduce-scattered by hooks on the root module's forward; making this wrapper the root unit puts every one of
+    those parameters (tied or not) under one forward. It owns no parameters of its own: keep it out of the
+    LightningModule's module tree so that names stay `policy.*` (see `dspo.models.fsdp.shard_for_logprobs`).
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = 2048,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return masked_token_logprobs(
+            self.lm, input_ids, attention_mask, loss_mask, temperature, chunk_size, with_entropy
+        )

@@ -1,14 +1,17 @@
 """Full (unsharded) policy weights for the engine push and the final export.
 
-Under FSDP the parameters live as flat shards; a full state dict of the *root* wrapped module is gathered once per
-round (`FULL_STATE_DICT`, offloaded to CPU) and the policy's entries are picked by prefix. Wrapper prefixes that FSDP
+Under FSDP1 the parameters live as flat shards; a full state dict of the *root* wrapped module is gathered once per
+round (`FULL_STATE_DICT`, offloaded to CPU) and the policy's entries are picked by prefix. Under FSDP2 (`fully_shard`,
+`dspo.strategies.FSDP2Strategy`) each parameter is a DTensor shard: the policy's entries are picked first and gathered
+one by one (`full_tensor()`, an all-gather every rank joins, in the same order), so the reference model is never
+gathered; every rank gets the full weights, as every rank pushes them into its own engine. Wrapper prefixes that FSDP
 and activation checkpointing insert into names are removed so names match the Hugging Face checkpoint the engine
 loaded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -33,19 +36,42 @@ def select_prefixed(state_dict: dict[str, torch.Tensor], prefix: str) -> Iterato
 
 
 def full_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict with every parameter whole, whether or not `root` is FSDP-wrapped."""
-    try:
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover - torch without distributed
-        return root.state_dict()
-    if not any(isinstance(m, FSDP) for m in root.modules()):
-        return root.state_dict()
+    """State dict with every tensor whole, whether `root` is FSDP1-wrapped, FSDP2-sharded or neither."""
+    if not _is_fsdp1(root):
+        return dict(_gathered(root.state_dict(keep_vars=True).items()))
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     config = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
     with FSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, config):
         return root.state_dict()
 
 
+def _is_fsdp1(root: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(m, FSDP) for m in root.modules())
+
+
+def _gathered(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole detached tensor); DTensor shards are all-gathered (once per tensor: tied weights share one) and
+    moved to the CPU, as FSDP1's `offload_to_cpu` does, so a full copy never sits beside the shards on the GPU."""
+    from torch.distributed.tensor import DTensor
+
+    done: dict[int, torch.Tensor] = {}
+    for name, tensor in items:
+        if isinstance(tensor, DTensor):
+            if id(tensor) not in done:
+                done[id(tensor)] = tensor.detach().full_tensor().cpu()
+            yield name, done[id(tensor)]
+        else:
+            yield name, tensor.detach()
+
+
 def policy_weights(root: nn.Module, prefix: str = "policy.") -> list[tuple[str, torch.Tensor]]:
-    """The policy's full weights with Hugging Face names, detached."""
-    return [(name, tensor.detach()) for name, tensor in select_prefixed(full_state_dict(root), prefix)]
+    """The policy's full weights with Hugging Face names, detached. Under FSDP every rank must call it."""
+    if _is_fsdp1(root):
+        return [(name, tensor.detach()) for name, tensor in select_prefixed(full_state_dict(root), prefix)]
+    return list(_gathered(select_prefixed(root.state_dict(keep_vars=True), prefix)))

@@ -1,0 +1,100 @@
+"""`FSDP2Strategy`: pure data-parallel FSDP2 (`fully_shard`) through Lightning's `ModelParallelStrategy`.
+
+Why not Lightning's `FSDPStrategy` (FSDP1): it refuses a CPU accelerator, so the sharded path could never run (or be
+tested) without GPUs. `ModelParallelStrategy` runs FSDP2 on any device (gloo on CPU, nccl on GPU), but sizes its mesh
+for 2D parallelism by default (data-parallel = nodes, tensor-parallel = processes per node). Here every process is a
+data-parallel rank (tensor-parallel size 1); `DSPOModule.configure_model` applies `fully_shard` on the mesh's
+"data_parallel" dimension.
+
+Departure from Lightning's save: a distributed checkpoint is a folder (`last.ckpt/` holding `.distcp` shards,
+`.metadata` and `meta.pt`) that ModelCheckpoint rewrites in place; a kill during that rewrite would leave a folder
+mixing two steps. Each save goes to a hidden temporary folder beside the target, which then replaces the target
+(rename old away, rename new in, delete old): a reader sees a whole checkpoint or, for a moment, none under that name
+(`ckpt_path=last` then takes the step folder of the same step).
+
+Departure from Lightning's load: torch's distributed loader requires every key of the module it loads into, so a
+LightningModule with `strict_loading = False` whose checkpoints leave a child out (DSPOModule's frozen reference
+model, reloaded from `model.path`) could not resume. The load goes to a view holding only the children the checkpoint
+has, under the same names.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint, _load_checkpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from dspo.checkpointing import temporary_name
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """`ModelParallelStrategy` with data-parallel size = all processes and tensor-parallel size 1.
+
+    The process-group backend is Lightning's default for the device unless given (gloo on CPU, nccl on GPU)."""
+
+    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None, **kwargs):
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            **kwargs,
+        )
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._save_distributed_checkpoint or storage_options is not None or "://" in str(filepath):
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        target = Path(self.broadcast(str(filepath)))
+        tmp = Path(self.broadcast(str(temporary_name(target))))  # rank 0's name on every rank
+        if self.global_rank == 0:  # left by a run killed mid-save (one writer per target)
+            for stale in target.parent.glob(f".{target.name}.tmp-*"):
+                _remove(stale)
+        self.barrier()
+        super().save_checkpoint(checkpoint, tmp)
+        self.barrier()
+        if self.global_rank == 0:
+            _replace_folder(tmp, target)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        if module is None or module.strict_loading or not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        children = {
+            name: child
+            for name, child in module.named_children()
+            if any(key.startswith(f"state_dict.{name}.") for key in saved)
+        }
+        state = {"state_dict": nn.ModuleDict(children), **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+        return _load_checkpoint(path, state, strict=False, optimizer_states_from_list=True, weights_only=weights_only)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Put folder `new` at `target` (a file or folder there is replaced)."""
+    old = target.with_name(f".{target.name}.old")
+    _remove(old)
+    if target.exists():
+        target.rename(old)
+    new.rename(target)
+    _remove(old)
