@@ -29,10 +29,7 @@ class SamplingExhausted(RuntimeError):
 
 class RolloutEnvironment:
     def __init__(self, agent, spec: AlgorithmConfig, rank: int = 0, world_size: int = 1) -> None:
-        if spec.batch_groups % world_size:
-            raise ValueError(
-                f"algorithm.batch_groups={spec.batch_groups} must be divisible by the process count ({world_size})"
-            )
+        spec.check_world_size(world_size)
         self.agent, self.spec = agent, spec
         self.local_target = spec.batch_groups // world_size
         self.keep_filter = get_filter(spec.filter)
@@ -49,8 +46,10 @@ class RolloutEnvironment:
     ) -> tuple[list[RolloutGroup], dict[str, float]]:
         """Fill this rank's share of B mixed groups. Returns the groups and rollout statistics for logging."""
         kept: list[RolloutGroup] = []
-        sampled = calls = tokens = kept_tokens = search_calls = invalid = trajectories = 0
+        sampled = passed = calls = tokens = kept_tokens = search_calls = invalid = trajectories = 0
         reward_sum = 0.0
+        retriever = getattr(self.agent, "retriever", None)
+        retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
         start = time.perf_counter()
         while not all_done(len(kept) >= self.local_target):
             if calls >= self.spec.max_sampling_rounds:
@@ -84,11 +83,13 @@ class RolloutEnvironment:
             trajectories += len(groups) * self.spec.group_size
             reward_sum += float(rewards.sum())
             sampled += len(groups)
+            passed += int(keep.sum())
             observed = float(keep.float().mean())
             self.keep_rate_estimate = max(0.05, 0.5 * self.keep_rate_estimate + 0.5 * observed)
         elapsed = time.perf_counter() - start
         return kept, {
-            "rollout/keep_rate": len(kept) / max(sampled, 1),
+            "rollout/keep_rate": passed / max(sampled, 1),  # filter pass rate; surplus groups count as passed
+            "rollout/groups_kept": float(len(kept)),
             "rollout/groups_sampled": float(sampled),
             "rollout/engine_calls": float(calls),
             "rollout/wasted_token_share": 1.0 - kept_tokens / max(tokens, 1),
@@ -97,4 +98,5 @@ class RolloutEnvironment:
             "rollout/invalid_calls": float(invalid),
             "rollout/sampled_reward_mean": reward_sum / max(trajectories, 1),
             "rollout/time_s": elapsed,
+            "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
         }

@@ -2,13 +2,17 @@
 
 Manual optimization, on purpose: a train batch is one mini-batch of a round (one optimizer step), split into
 micro-batches for memory. The objective's normalizer is the whole mini-batch's sequence (or token) count, so the
-accumulated gradient equals the mini-batch gradient exactly. A step whose loss or gradient is not finite is skipped
-with a warning; `max_consecutive_skips` of them in a row stop the run with a checkpoint.
+accumulated gradient equals the mini-batch gradient exactly; token counts are summed over ranks and divided by their
+number, so that DDP/FSDP's gradient averaging yields the global token mean (`losses.token_normalizer`).
+`weights_version` counts the optimizer steps applied: the environment pushes weights to the engine when it moves.
+A step whose loss or gradient is not finite is skipped with a warning; `max_consecutive_skips` of them in a row stop
+the run with a checkpoint.
 
 Old logprobs (Algorithm 1, step 3): with M = 1 mini-batch per round the data is exactly on-policy and logπ_old is the
 detached current logπ (s_i = 1 in value, gradient as in Eq. 8) — one forward saved. With M > 1 they are computed for
 the whole round in the round's first step, before its first update. Both happen inside `training_step`, so FSDP's
-root parameters are gathered as in any forward.
+root parameters are gathered as in any forward. That logπ_old is also what the rollout-correction weights compare with
+the engine's logprobs (`algorithm.rollout_correction`, logged as `mismatch/*` every step whatever the mode).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +29,12 @@ import torch
 from torch import nn
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.algorithms.losses import kl_penalty, loss_normalizer, policy_loss
+from dspo.algorithms.losses import kl_penalty, loss_normalizer, policy_loss, token_normalizer
+from dspo.algorithms.rollout_correction import correction_weights
 from dspo.data.datamodule import RoundSlot
 from dspo.metrics import answer_metrics
 from dspo.models import ModelConfig, load_causal_lm
+from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs
 from dspo.types import PolicyBatch, QAItem
 
@@ -49,6 +56,19 @@ class OptimizerConfig:
         if self.warmup_steps < 0 or self.max_consecutive_skips < 1:
             raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.max_consecutive_skips >= 1")
         self.betas = tuple(self.betas)
+
+
+def train_mode_without_dropout(model: nn.Module) -> None:
+    """Train mode (Hugging Face returns models in eval mode, where its gradient checkpointing never acts) with every
+    dropout at 0: the trainer must score exactly the distribution the engine sampled from (TRL's default too)."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if hasattr(model, "config") and isinstance(getattr(model.config, "attention_dropout", None), float):
+        model.config.attention_dropout = 0.0
 
 
 class NonFiniteTraining(RuntimeError):
@@ -73,6 +93,10 @@ class DSPOModule(pl.LightningModule):
         self.environment = None  # set by EnvironmentCallback: provides predict(items) for validation/test
         self.eval_metrics = nn.ModuleDict()
         self._skipped_in_a_row = 0
+        self.weights_version = 0  # optimizer steps applied; the engine is re-synced whenever it moves
+        # FSDP2 only: {"policy"|"reference": MaskedLogprobs root unit}, a plain dict so that they stay out of the
+        # module tree (parameter names stay `policy.*`); see dspo.models.fsdp.shard_for_logprobs
+        self._sharded_logprobs: dict[str, nn.Module] = {}
 
     # ----------------------------------------------------------------------------------------------- model
     def configure_model(self) -> None:
@@ -80,10 +104,22 @@ class DSPOModule(pl.LightningModule):
             return
         self.policy = load_causal_lm(self.model_cfg)
         self.policy.config.use_cache = False
+        train_mode_without_dropout(self.policy)
         if self.model_cfg.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.algo.kl_coef > 0:
             self.reference = load_causal_lm(self.model_cfg).eval().requires_grad_(False)
+        if self.device_mesh is not None:  # FSDP2 (dspo.strategies.FSDP2Strategy)
+            self._shard(self.device_mesh["data_parallel"])
+
+    def _shard(self, mesh) -> None:
+        """FSDP2: shard per decoder layer, with a logprob wrapper as the root unit of each model."""
+        from dspo.models.fsdp import shard_for_logprobs
+
+        layers = self.model_cfg.decoder_layers
+        self._sharded_logprobs["policy"] = shard_for_logprobs(self.policy, mesh, layers)
+        if self.reference is not None:
+            self._sharded_logprobs["reference"] = shard_for_logprobs(self.reference, mesh, layers, frozen=True)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -98,12 +134,16 @@ class DSPOModule(pl.LightningModule):
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith("reference.")]:
             del state[key]
-        checkpoint["dspo"] = {"model_dir": self.model_cfg.path}
+        checkpoint["dspo"] = {"model_dir": self.model_cfg.path, "weights_version": self.weights_version}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.weights_version = int(checkpoint.get("dspo", {}).get("weights_version", checkpoint.get("global_step", 0)))
 
     # ----------------------------------------------------------------------------------------------- train
     def _logprobs(self, model: nn.Module, batch: PolicyBatch, with_entropy: bool = False):
-        return masked_token_logprobs(
-            model,
+        name = "policy" if model is self.policy else "reference" if model is self.reference else ""
+        runner = self._sharded_logprobs.get(name)  # FSDP2: the root unit, whose forward hooks gather its parameters
+        return (partial(masked_token_logprobs, model) if runner is None else runner)(
             batch.input_ids,
             batch.attention_mask,
             batch.loss_mask,
@@ -130,13 +170,16 @@ class DSPOModule(pl.LightningModule):
         micro = [b.to(self.device) for b in slot.micro_batches]
         num_sequences = sum(len(b) for b in micro)
         num_tokens = float(sum(b.loss_mask.sum() for b in micro))
-        normalizer = loss_normalizer(self.algo.loss, num_sequences, num_tokens)
+        world = self.trainer.world_size if self._trainer is not None else 1
+        global_tokens = self._all_ranks_sum(num_tokens) if world > 1 else num_tokens
+        normalizer = loss_normalizer(self.algo.loss, num_sequences, global_tokens, world)
         optimizer = self.optimizers()
         totals: dict[str, float] = {}
         finite = True
         for batch in micro:
             logprobs, entropy = self._logprobs(self.policy, batch, with_entropy=True)
             old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+            correction, mismatch = self._rollout_correction(old, batch)
             loss, stats = policy_loss(
                 self.algo.loss,
                 logprobs,
@@ -146,6 +189,7 @@ class DSPOModule(pl.LightningModule):
                 self.algo.clip_low,
                 self.algo.clip_high,
                 normalizer=normalizer,
+                weights=correction,
             )
             kl = torch.zeros((), device=self.device)
             if self.reference is not None:
@@ -153,20 +197,25 @@ class DSPOModule(pl.LightningModule):
                 if ref is None:
                     with torch.no_grad():
                         ref = self._logprobs(self.reference, batch)[0]
-                kl = kl_penalty(logprobs, ref, batch.loss_mask, self.algo.kl_estimator, normalizer=num_tokens)
+                kl = kl_penalty(
+                    logprobs, ref, batch.loss_mask, self.algo.kl_estimator, token_normalizer(global_tokens, world)
+                )
                 loss = loss + self.algo.kl_coef * kl
             if not torch.isfinite(loss):
                 finite = False
                 break
             self.manual_backward(loss)
             weight = len(batch) / num_sequences
-            for name, value in {
-                "train/loss": loss.detach() * normalizer / max(len(batch), 1) * weight,
-                "loss/kl": kl.detach() * weight,
+            for name, value in {  # loss and KL are already normalized by the mini-batch: their sum is its value
+                "train/loss": loss.detach(),
+                "loss/kl": kl.detach(),
                 "train/entropy": (entropy * batch.loss_mask).sum() / num_tokens if num_tokens else entropy.sum() * 0,
                 **{f"loss/{k}": v * weight for k, v in stats.items() if k != "ratio_min" and k != "ratio_max"},
             }.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
+            share = float(batch.loss_mask.sum()) / num_tokens if num_tokens else 1.0 / len(micro)
+            for key, value in mismatch.items():  # token means: mini-batch value = token-weighted sum of micro-batches
+                totals[f"mismatch/{key}"] = totals.get(f"mismatch/{key}", 0.0) + float(value) * share
             totals["loss/ratio_min"] = min(totals.get("loss/ratio_min", math.inf), float(stats["ratio_min"]))
             totals["loss/ratio_max"] = max(totals.get("loss/ratio_max", -math.inf), float(stats["ratio_max"]))
         grad_norm = self._clip_gradients() if finite else torch.tensor(float("nan"))
@@ -176,6 +225,7 @@ class DSPOModule(pl.LightningModule):
             return None
         self._skipped_in_a_row = 0
         optimizer.step()
+        self.weights_version += 1
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
         rewards = torch.cat([b.rewards for b in micro])
@@ -193,12 +243,25 @@ class DSPOModule(pl.LightningModule):
         self.log("reward", totals["train/reward_mean"], prog_bar=True, logger=False, batch_size=num_sequences)
         return torch.tensor(totals["train/loss"])
 
+    def _all_ranks_sum(self, value: float) -> float:
+        total = self.trainer.strategy.reduce(torch.tensor(value, device=self.device), reduce_op="sum")
+        return float(total)
+
+    def _rollout_correction(self, old: torch.Tensor, batch: PolicyBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Weights [N, L] for the objective and mismatch stats: logπ_old (as the objective uses it) vs the engine's."""
+        if batch.engine_logprobs is None:
+            raise RuntimeError(
+                "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.buffer.collate_trajectories"
+            )
+        cfg = self.algo.rollout_correction
+        return correction_weights(old, batch.engine_logprobs, batch.loss_mask, cfg.mode, cfg.low, cfg.high)
+
     def _clip_gradients(self) -> torch.Tensor:
         root = self.trainer.strategy.model if self.trainer is not None else self
         if hasattr(root, "clip_grad_norm_"):  # FSDP root: norm over all shards
             return root.clip_grad_norm_(self.optim_cfg.max_grad_norm)
         params = [p for p in self.policy.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.max_grad_norm)
+        return clip_grad_norm(params, self.optim_cfg.max_grad_norm)  # FSDP2: global norm over the DTensor shards
 
     def _on_non_finite(self, slot: RoundSlot) -> None:
         self._skipped_in_a_row += 1

@@ -4,6 +4,9 @@
 content of the LAST `<answer>…</answer>` in the model's own text; no answer → 0. Extraction must run on model-generated
 text only (the agent does this), so that a retrieved document containing `<answer>` can never score.
 
+`extract_answer` is the only answer extractor: the agent calls it once and stores `Trajectory.answer`, which both the
+training reward (`subem_reward`) and evaluation (`dspo.evaluation`) score as is, so the two can never disagree.
+
 `max_answer_words` is an optional guard (off by default = paper-faithful): subEM rewards an answer that lists many
 candidates, which RL can learn to exploit; with the guard, answers longer than that many words score 0.
 """
@@ -26,18 +29,12 @@ def extract_answer(text: str) -> str | None:
     return matches[-1].strip()
 
 
-def subem_reward(
-    text_or_answer: str | None, golden_answers: str | Sequence[str], max_answer_words: int | None = None
-) -> float:
-    """subEM reward (Eq. 4) in {0.0, 1.0}.
+def subem_reward(answer: str | None, golden_answers: str | Sequence[str], max_answer_words: int | None = None) -> float:
+    """subEM reward (Eq. 4) in {0.0, 1.0} of an answer already extracted by `extract_answer` (None → 0.0).
 
-    `text_or_answer`: a model text containing `<answer>` tags (the last answer is extracted; none → 0.0), or an
-    already-extracted answer string (no `<answer>` tag in it), or None (no answer → 0.0). Do not pass a model text
-    without tags expecting 0: untagged text is taken as the answer itself.
+    The answer is scored as is, never extracted a second time: Search-R1's extraction of
+    `<answer>I think <answer>Paris</answer>` is `I think <answer>Paris`, which contains Paris (reward 1, as evaluation).
     """
-    if text_or_answer is None:
-        return 0.0
-    answer = extract_answer(text_or_answer) if "<answer>" in text_or_answer else text_or_answer
     if answer is None:
         return 0.0
     if max_answer_words is not None and len(normalize_answer(answer).split()) > max_answer_words:

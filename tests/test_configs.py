@@ -91,13 +91,12 @@ def test_trainer_and_logger_instantiate_on_cpu(tmp_path):
 
 
 def test_fsdp_strategy_composes_and_instantiates(tmp_path):
-    from lightning.pytorch.strategies import FSDPStrategy
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    from dspo.strategies import FSDP2Strategy
 
     cfg = _compose("train", ["trainer=fsdp", f"output_dir={tmp_path}"])
     strategy = instantiate(cfg.trainer.strategy)
-    assert isinstance(strategy, FSDPStrategy)
-    policy = strategy.kwargs["auto_wrap_policy"]  # Lightning turns the class set into a ModuleWrapPolicy
-    assert set(getattr(policy, "_module_classes", policy)) == {Qwen2DecoderLayer}
-    assert strategy.sharding_strategy.name == "FULL_SHARD"
+    assert isinstance(strategy, FSDP2Strategy) and strategy._save_distributed_checkpoint
+    assert strategy.process_group_backend is None  # Lightning's default for the device: nccl on GPU, gloo on CPU
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
+    cpu = _compose("train", ["trainer=fsdp", "trainer.accelerator=cpu", f"output_dir={tmp_path}"])
+    assert cpu.trainer.precision == "32-true"  # follows the accelerator, no extra flag

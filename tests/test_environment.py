@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from dspo.algorithms.config import AlgorithmConfig
@@ -12,11 +14,13 @@ class FakeAgent:
     """Rewards by prompt id: multiples of 3 -> mixed, others -> all equal (so the filter keeps one third)."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.seeds, self.ids = [], [], []
         self.last_stats = {"search_calls_mean": 1.0, "invalid_calls": 0.0}
 
     def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
         self.calls.append(len(items))
+        self.seeds.append(seed)
+        self.ids.extend(int(item.id) for item in items)
         groups = []
         for item in items:
             mixed = int(item.id) % 3 == 0
@@ -65,3 +69,137 @@ def test_ranks_share_b_and_config_errors_name_keys():
     ]:
         with pytest.raises(ValueError, match=f"algorithm.{key}"):
             AlgorithmConfig(**bad)
+
+
+def test_keep_rate_is_the_filter_pass_rate_and_updates_the_estimate():
+    """Issue 20 (7): keep_rate counts every group that passed the filter, also the surplus beyond B."""
+    agent = FakeAgent()
+    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=1, initial_keep_rate=0.05))
+    groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=10)
+    assert agent.calls == [20] and len(groups) == 1  # ceil(1 / 0.05) prompts in one call
+    passed = sum(i % 3 == 0 for i in agent.ids)
+    assert passed > 1
+    assert stats["rollout/keep_rate"] == pytest.approx(passed / 20) and stats["rollout/groups_kept"] == 1.0
+    assert env.keep_rate_estimate == pytest.approx(0.5 * 0.05 + 0.5 * passed / 20)
+    assert agent.seeds == [11]
+    estimate = env.keep_rate_estimate
+    env.sample_round(PromptSampler(ITEMS, seed=1), policy_version=1, seed=10)
+    assert agent.calls[1] == math.ceil(1 / estimate) < 20  # the updated estimate is used
+
+
+def test_each_engine_call_gets_its_own_seed():
+    agent = FakeAgent()
+    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=4, max_prompts_per_call=2))
+    env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=100)
+    assert len(agent.seeds) >= 3 and agent.seeds == [100 + k for k in range(1, len(agent.seeds) + 1)]
+
+
+def test_a_rank_fills_its_share_and_waits_for_the_others():
+    """World size 2: this rank fills B/2 groups, then answers the collective without sampling until all are full."""
+    agent = FakeAgent()
+    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=4), rank=1, world_size=2)
+    decisions = []
+
+    def all_done(done: bool) -> bool:  # the other rank needs two more collectives after this one is full
+        decisions.append(done)
+        return sum(decisions) >= 3
+
+    groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0, all_done=all_done)
+    assert len(groups) == 2 and decisions[-3:] == [True, True, True] and decisions.count(True) == 3
+    assert stats["rollout/engine_calls"] == len(decisions) - 1 and len(agent.calls) == decisions.count(False)
+
+
+def test_per_rank_split_is_validated_when_built():
+    """Issue 20 (6): (B/W)·G must be divisible by M, checked before any round is sampled."""
+    spec = AlgorithmConfig(group_size=3, batch_groups=4, num_minibatches=4)  # B*G = 12: fine on one process
+    spec.check_world_size(1)
+    with pytest.raises(ValueError, match="algorithm.num_minibatches=4.*trainer.devices.*algorithm.group_size = 6"):
+        spec.check_world_size(2)
+    with pytest.raises(ValueError, match="algorithm.num_minibatches"):
+        RolloutEnvironment(FakeAgent(), spec, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="algorithm.batch_groups=4"):
+        spec.check_world_size(3)
+
+
+class StatsAgent(FakeAgent):
+    """Reports per-call search/invalid stats and a retriever whose retry counter moves by 3 per call."""
+
+    def __init__(self, with_retriever: bool = True):
+        super().__init__()
+        if with_retriever:
+            self.retriever = type("Retriever", (), {"retries": 7})()
+
+    def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
+        self.last_stats = {"search_calls_mean": float(len(items)), "invalid_calls": 2.0}
+        if hasattr(self, "retriever"):
+            self.retriever.retries += 3
+        return super().rollout(items, group_size, policy_version, greedy, seed)
+
+
+def test_rollout_statistics_are_exact():
+    """Several engine calls (at most 3 prompts each): every logged statistic recomputed from what the agent did."""
+    agent, group_size, target = StatsAgent(), 4, 3
+    spec = AlgorithmConfig(group_size=group_size, batch_groups=target, max_prompts_per_call=3)
+    groups, stats = RolloutEnvironment(agent, spec).sample_round(PromptSampler(ITEMS, seed=0), 0, seed=0)
+    calls, ids = agent.calls, agent.ids
+    assert len(calls) >= 2 and stats["rollout/engine_calls"] == len(calls)
+    passed = [i for i in ids if i % 3 == 0]
+    assert [int(g.item.id) for g in groups] == passed[:target]
+    sampled, trajectories = len(ids), len(ids) * group_size
+    assert stats["rollout/groups_sampled"] == sampled and stats["rollout/groups_kept"] == target
+    assert stats["rollout/keep_rate"] == pytest.approx(len(passed) / sampled)
+    assert stats["rollout/wasted_token_share"] == pytest.approx(1 - target / sampled)  # 2 tokens per trajectory
+    assert stats["rollout/search_calls_mean"] == pytest.approx(sum(n * n for n in calls) / sum(calls))
+    assert stats["rollout/invalid_calls"] == 2.0 * len(calls)
+    rewards = sum(group_size / 2 if i % 3 == 0 else group_size for i in ids)
+    assert stats["rollout/sampled_reward_mean"] == pytest.approx(rewards / trajectories)
+    assert 0 < stats["rollout/time_s"] < 60
+    assert stats["rollout/tokens_per_s"] == pytest.approx(2 * trajectories / stats["rollout/time_s"])
+    assert stats["rollout/retriever_retries"] == 3 * len(calls)
+    _, plain = RolloutEnvironment(StatsAgent(with_retriever=False), spec).sample_round(PromptSampler(ITEMS), 0, 0)
+    assert plain["rollout/retriever_retries"] == 0.0
+
+
+def test_a_filter_that_keeps_everything_needs_no_over_sampling():
+    agent = FakeAgent()
+    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=1, filter="none"))
+    _, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
+    assert agent.calls == [1] and stats["rollout/keep_rate"] == 1.0
+
+
+def test_sampling_gives_up_after_exactly_max_sampling_rounds_calls():
+    agent, items = FakeAgent(), [QAItem(id="1", question="q", golden_answers=["a"])]  # never mixed
+    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=2, max_sampling_rounds=3))
+    with pytest.raises(SamplingExhausted) as err:
+        env.sample_round(PromptSampler(items, seed=0), policy_version=0, seed=0)
+    assert len(agent.calls) == 3
+    assert str(err.value).endswith(
+        "Raise algorithm.max_sampling_rounds, lower algorithm.batch_groups, or use a policy whose rewards are neither "
+        "all 0 nor all 1 per prompt."
+    )
+
+
+def test_an_agent_without_search_stats_counts_zero():
+    agent = FakeAgent()
+    agent.last_stats = {}
+    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=1, filter="none"))
+    _, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
+    assert stats["rollout/search_calls_mean"] == 0.0 and stats["rollout/invalid_calls"] == 0.0
+
+
+def test_logs_the_retriever_waits_of_each_round():
+    class WaitingRetriever:  # RemoteRetriever's counter: waits so far, over the retriever's life
+        retries = 5
+
+    class Agent(FakeAgent):
+        retriever = WaitingRetriever()
+
+        def rollout(self, *args, **kwargs):
+            self.retriever.retries += 2
+            return super().rollout(*args, **kwargs)
+
+    env = RolloutEnvironment(Agent(), AlgorithmConfig(group_size=2, batch_groups=3, filter="none"))
+    _, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
+    assert stats["rollout/retriever_retries"] == 2.0  # this round's, not the 7 since the start
+    _, in_process = RolloutEnvironment(FakeAgent(), env.spec).sample_round(PromptSampler(ITEMS, seed=0), 0, 0)
+    assert in_process["rollout/retriever_retries"] == 0.0  # an in-process index has no retriever.retries

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dspo.evaluation import Prediction
 from dspo.rewards import extract_answer, subem_reward
+from dspo.types import QAItem, RolloutGroup, Trajectory
 
 
 def test_extract_last_answer():
@@ -12,17 +14,35 @@ def test_extract_last_answer():
     assert extract_answer("<answer></answer>") == ""
 
 
+def _reward(text: str, golds, max_answer_words=None) -> float:
+    return subem_reward(extract_answer(text), golds, max_answer_words)
+
+
 def test_subem_normalizes_and_matches_substring():
-    assert subem_reward("<think>x</think><answer> the Beatles! </answer>", ["beatles"]) == 1.0
-    assert subem_reward("<answer>It was Paris, France</answer>", ["Paris"]) == 1.0
-    assert subem_reward("<answer>Lyon</answer>", ["Paris", "City of Light"]) == 0.0
-    assert subem_reward("Paris", "Paris") == 1.0  # an already-extracted answer
+    assert _reward("<think>x</think><answer> the Beatles! </answer>", ["beatles"]) == 1.0
+    assert _reward("<answer>It was Paris, France</answer>", ["Paris"]) == 1.0
+    assert _reward("<answer>Lyon</answer>", ["Paris", "City of Light"]) == 0.0
+    assert subem_reward("Paris", "Paris") == 1.0
     assert subem_reward(None, ["Paris"]) == 0.0
-    assert subem_reward("<answer>Paris", ["Paris"]) == 0.0  # tag but no complete answer
+    assert _reward("<answer>Paris", ["Paris"]) == 0.0  # tag but no complete answer
+
+
+def test_reward_and_evaluation_score_the_same_extracted_answer():
+    """Issue 20 (3): one extractor (Search-R1's: last non-greedy span), scored as is by reward and evaluation."""
+    text = "<answer>I think <answer>Paris</answer>"
+    answer = extract_answer(text)
+    assert answer == "I think <answer>Paris"
+    trajectory = Trajectory([1], [2], [1], [0.0], reward=subem_reward(answer, ["Paris"]), answer=answer)
+    item = QAItem(id="0", question="capital of France?", golden_answers=["Paris"])
+    prediction = Prediction.from_group(RolloutGroup(item=item, trajectories=[trajectory]))
+    assert trajectory.reward == prediction.correct == 1.0
+    wrong = Trajectory([1], [2], [1], [0.0], answer="Lyon <answer>")
+    assert subem_reward(wrong.answer, ["Paris"]) == 0.0
+    assert Prediction.from_group(RolloutGroup(item=item, trajectories=[wrong])).correct == 0.0
 
 
 def test_max_answer_words_guard():
     listing = "<answer>Paris, Lyon, Marseille, Nice, Lille</answer>"
-    assert subem_reward(listing, ["Paris"]) == 1.0  # paper-faithful default
-    assert subem_reward(listing, ["Paris"], max_answer_words=3) == 0.0
-    assert subem_reward("<answer>Paris France</answer>", ["Paris"], max_answer_words=3) == 1.0
+    assert _reward(listing, ["Paris"]) == 1.0  # paper-faithful default
+    assert _reward(listing, ["Paris"], max_answer_words=3) == 0.0
+    assert _reward("<answer>Paris France</answer>", ["Paris"], max_answer_words=3) == 1.0

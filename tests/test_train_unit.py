@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from dspo.checkpointing import atomic_torch_save
 from dspo.train import fit_or_checkpoint, resolve_ckpt_path
 
 
@@ -33,7 +34,7 @@ def test_failure_saves_a_checkpoint_then_reraises(tmp_path):
 def test_resolve_ckpt_path_last_picks_newest_run_and_moves_output_dir(tmp_path):
     for name in ("dspo_seed0_20260101-000000", "dspo_seed0_20260102-000000", "gspo_seed0_20260103-000000"):
         (tmp_path / "train" / name / "checkpoints").mkdir(parents=True)
-        (tmp_path / "train" / name / "checkpoints" / "last.ckpt").write_bytes(b"x")
+        atomic_torch_save({"global_step": 1}, tmp_path / "train" / name / "checkpoints" / "last.ckpt")
     older = tmp_path / "train" / "dspo_seed0_20260101-000000" / "checkpoints" / "last.ckpt"
     import os
 
@@ -51,3 +52,40 @@ def test_resolve_ckpt_path_last_picks_newest_run_and_moves_output_dir(tmp_path):
         resolve_ckpt_path(missing)
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         resolve_ckpt_path(OmegaConf.create({"ckpt_path": str(tmp_path / "nope.ckpt")}))
+
+
+def test_resolve_ckpt_path_last_skips_a_truncated_last_ckpt(tmp_path, caplog):
+    folder = tmp_path / "train" / "dspo_seed0_20260101-000000" / "checkpoints"
+    for name in ("step00004.ckpt", "last.ckpt", "failure.ckpt"):
+        atomic_torch_save({"global_step": 4}, folder / name)
+    last = folder / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:-10])
+    cfg = OmegaConf.create(
+        {"ckpt_path": "last", "run_name": "dspo_seed0", "paths": {"outputs": str(tmp_path)}, "output_dir": "/new"}
+    )
+    with caplog.at_level("WARNING"):
+        assert resolve_ckpt_path(cfg) == str(folder / "step00004.ckpt")  # never failure.ckpt, though it is newer
+    assert f"skipping {last}" in caplog.text and "truncated?" in caplog.text
+    (folder / "step00004.ckpt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="none of the 2 checkpoints"):
+        resolve_ckpt_path(cfg)
+
+
+def test_resolve_ckpt_path_auto_starts_fresh_or_resumes(tmp_path):
+    """`ckpt_path=auto` (a requeued job's command line): nothing yet -> a new run; later -> resume like `last`."""
+
+    def cfg():
+        return OmegaConf.create(
+            {"ckpt_path": "auto", "run_name": "dspo_seed0", "paths": {"outputs": str(tmp_path)}, "output_dir": "/new"}
+        )
+
+    fresh = cfg()
+    assert resolve_ckpt_path(fresh) is None and fresh.output_dir == "/new"
+    folder = tmp_path / "train" / "dspo_seed0_20260101-000000" / "checkpoints"
+    atomic_torch_save({"global_step": 2}, folder / "last.ckpt")
+    atomic_torch_save({"global_step": 2}, folder / "failure.ckpt")
+    resumed = cfg()
+    assert resolve_ckpt_path(resumed) == str(folder / "last.ckpt") and resumed.output_dir == str(folder.parent)
+    (folder / "last.ckpt").write_bytes(b"")  # present but unloadable: auto does not silently start over
+    with pytest.raises(FileNotFoundError, match="can be loaded"):
+        resolve_ckpt_path(cfg())

@@ -3,10 +3,12 @@ are constructor calls of this class. Validated on construction, errors name the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from dspo.algorithms.filters import get_filter
-from dspo.algorithms.losses import KL_ESTIMATORS, POLICY_LOSSES
+from dspo.algorithms.losses import KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
+from dspo.algorithms.rollout_correction import RolloutCorrectionConfig, correction_level
 
 
 @dataclass
@@ -28,6 +30,8 @@ class AlgorithmConfig:
     initial_keep_rate: float = 0.5  # prior of the filter's keep-rate for over-sampling
     max_prompts_per_call: int = 256
     logprob_chunk_size: int = 2048
+    # engine/trainer mismatch weights (Hydra passes a dict, converted below); default as conf/algorithm/dspo.yaml
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=lambda: RolloutCorrectionConfig("seq_tis"))
 
     def __post_init__(self) -> None:
         def fail(key: str, why: str) -> None:
@@ -60,3 +64,40 @@ class AlgorithmConfig:
             fail("kl_estimator", f"unknown estimator '{self.kl_estimator}'; choose one of {sorted(KL_ESTIMATORS)}")
         if self.temperature <= 0:
             fail("temperature", f"must be > 0, got {self.temperature}")
+        self._check_rollout_correction()
+
+    def _check_rollout_correction(self) -> None:
+        correction = self.rollout_correction
+        if isinstance(correction, Mapping):  # Hydra (and checkpoint hyperparameters) hand over a plain dict
+            unknown = set(correction) - {"mode", "low", "high"}
+            if unknown:
+                raise ValueError(f"algorithm.rollout_correction: unknown keys {sorted(unknown)}; use mode, low, high")
+            correction = self.rollout_correction = RolloutCorrectionConfig(**correction)
+        if not isinstance(correction, RolloutCorrectionConfig):
+            raise TypeError(
+                f"algorithm.rollout_correction must be a mapping with mode/low/high, got {type(correction).__name__}"
+            )
+        level = correction_level(correction.mode)
+        if self.loss not in RATIO_LEVELS:
+            raise ValueError(f"algorithm.loss: '{self.loss}' has no entry in RATIO_LEVELS (dspo/algorithms/losses.py)")
+        if RATIO_LEVELS[self.loss] == "sequence" and level != "sequence":
+            raise ValueError(
+                f"algorithm.rollout_correction.mode: '{correction.mode}' weighs single tokens, but objective "
+                f"'{self.loss}' has one ratio per sequence; use none, seq_tis or seq_mis"
+            )
+
+    def check_world_size(self, world_size: int) -> None:
+        """Per-rank split (issue 20): each of W processes fills B/W groups and cuts its (B/W)·G sequences into M
+        mini-batches, so both divisions must be exact. Called when the run is built (EnvironmentCallback.setup)."""
+        if world_size < 1 or self.batch_groups % world_size:
+            raise ValueError(
+                f"algorithm.batch_groups={self.batch_groups} must be divisible by the process count "
+                f"(trainer.devices x nodes = {world_size})"
+            )
+        per_rank = self.batch_groups // world_size * self.group_size
+        if per_rank % self.num_minibatches:
+            raise ValueError(
+                f"algorithm.num_minibatches={self.num_minibatches} must divide the sequences per process "
+                f"(algorithm.batch_groups / trainer.devices) * algorithm.group_size = {per_rank} with "
+                f"{world_size} processes; change one of these keys"
+            )

@@ -53,6 +53,13 @@ class EnvironmentCallback(pl.Callback):
         sample_every_n_rounds: int = 5,
         export_dir: str | None = None,
     ) -> None:
+        sampling = agent.get("temperature") if isinstance(agent, dict) else getattr(agent, "temperature", None)
+        if sampling is not None and float(sampling) != float(algorithm.temperature):
+            raise ValueError(
+                f"rollout.agent.temperature={sampling} differs from algorithm.temperature={algorithm.temperature}: "
+                "the trainer would score a distribution that was not sampled. Set only algorithm.temperature "
+                "(conf/rollout/*.yaml interpolate it)"
+            )
         self.engine_factory, self.agent_config, self.retriever = engine, agent, retriever
         self.algo, self.model_cfg, self.seed = algorithm, model, seed
         self.eval_batch_size, self.sample_every_n_rounds, self.export_dir = (
@@ -64,11 +71,13 @@ class EnvironmentCallback(pl.Callback):
         self.cursor = 0  # next mini-batch of the current round
         self.current: Round | None = None
         self.engine = self.agent = self.environment = self.tokenizer = None
-        self._engine_step = 0  # trainer.global_step whose weights the engine holds (-1: unknown)
+        self._engine_weights = 0  # DSPOModule.weights_version the engine holds (-1: unknown, push before sampling)
         self._predictions: list = []  # test-set predictions, written at on_test_end
+        self._keep_rate_estimate: float | None = None  # restored from a checkpoint, applied to the environment
 
     # ------------------------------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.algo.check_world_size(trainer.world_size)
         if self.engine is None:
             from dspo.rollout.agent import SearchAgent
 
@@ -76,16 +85,22 @@ class EnvironmentCallback(pl.Callback):
             self.engine = self.engine_factory(model_path=self.model_cfg.path)
             self.agent = SearchAgent(self.engine, self.tokenizer, self.retriever, self.agent_config)
             self.environment = RolloutEnvironment(self.agent, self.algo, trainer.global_rank, trainer.world_size)
+            if self._keep_rate_estimate is not None:
+                self.environment.keep_rate_estimate = float(self._keep_rate_estimate)
         pl_module.environment = self
 
     def _sync_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Algorithm 1 step 1: push the policy into the engine if it changed (gathers full params under FSDP)."""
-        if self._engine_step == trainer.global_step:
+        """Algorithm 1 step 1: push the policy into the engine if it changed (gathers full params under FSDP).
+
+        "Changed" means the module's count of applied optimizer steps moved: a skipped (non-finite) step leaves the
+        weights, hence the engine, as they were, and the next round is sampled from them."""
+        version = pl_module.weights_version
+        if self._engine_weights == version:
             return
         root = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         weights = policy_weights(root)
-        self.engine.push_weights(weights, version=self.rounds_completed)
-        self._engine_step = trainer.global_step
+        self.engine.push_weights(weights, version=version)
+        self._engine_weights = version
 
     # ------------------------------------------------------------------------------------------ training
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -103,10 +118,11 @@ class EnvironmentCallback(pl.Callback):
         self._sync_weights(trainer, pl_module)
         datamodule = trainer.datamodule
         version = self.rounds_completed
-        if getattr(self.engine, "version", version) != version:
+        weights = pl_module.weights_version
+        if getattr(self.engine, "version", weights) != weights:
             raise RuntimeError(
-                f"engine holds weights of policy version {self.engine.version}, round {version} is starting: "
-                "the weight push was skipped (a bug in dspo; please report it)"
+                f"engine holds weights after {self.engine.version} optimizer steps, the policy after {weights}; "
+                f"round {version} is starting: the weight push was skipped (a bug in dspo; please report it)"
             )
         groups, stats = self.environment.sample_round(
             datamodule.sampler,
@@ -148,6 +164,11 @@ class EnvironmentCallback(pl.Callback):
         experiment.add_text("rollout/sample", "\n".join(lines), global_step=trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from dspo.callbacks.checkpoints import preempted
+
+        if preempted(trainer):  # the grace period is for the checkpoint; the run continues elsewhere, export then
+            log.info("preempted: the policy is not exported (resume with ckpt_path=last)")
+            return
         target = Path(self.export_dir or Path(trainer.default_root_dir) / "model")
         root = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         state = dict(policy_weights(root))
@@ -188,6 +209,8 @@ class EnvironmentCallback(pl.Callback):
             "cursor": self.cursor,
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
+            # the over-sampling prior decides how many prompts the next round draws: a resumed run must draw the same
+            "keep_rate_estimate": getattr(self.environment, "keep_rate_estimate", None),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -196,6 +219,9 @@ class EnvironmentCallback(pl.Callback):
             log.warning("checkpoint was taken mid-round; resuming with a fresh round %d", self.rounds_completed)
             self.rounds_completed += 1
         self.cursor, self.current = 0, None
-        self._engine_step = -1  # the engine holds the initial weights: push the restored ones before sampling
+        self._engine_weights = -1  # the engine holds the initial weights: push the restored ones before sampling
         torch.set_rng_state(state_dict["torch_rng"])
         random.setstate(state_dict["python_rng"])
+        self._keep_rate_estimate = state_dict.get("keep_rate_estimate")
+        if self.environment is not None and self._keep_rate_estimate is not None:
+            self.environment.keep_rate_estimate = float(self._keep_rate_estimate)

@@ -47,6 +47,16 @@ class AgentConfig:
     system_prompt: str | None = None
     max_answer_words: int | None = None
 
+    def __post_init__(self) -> None:
+        # The trainer's logprobs and the rollout-correction weights (dspo.algorithms.rollout_correction) compare the
+        # engine's logprob with the full-vocabulary softmax at `temperature`; a nucleus renormalizes over a subset, so
+        # every sampled token would look off-policy. top_k is no option at all (vLLM ignores the model's defaults).
+        if self.top_p != 1.0:
+            raise ValueError(
+                f"rollout.agent.top_p={self.top_p}: only 1.0 is supported; top-p sampling makes the engine's logprobs "
+                "incomparable with the trainer's full-vocabulary logprobs. Use temperature to control sampling."
+            )
+
 
 @dataclass
 class _Episode:

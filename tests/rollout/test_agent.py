@@ -8,8 +8,8 @@ import pytest
 
 from dspo.rollout import parsing
 from dspo.rollout.agent import AgentConfig, SearchAgent
-from dspo.rollout.engine import ScriptedEngine
 from dspo.rollout.prompts import SEARCH_TOOL_SCHEMA, build_messages
+from dspo.rollout.scripted import ScriptedEngine
 from dspo.types import QAItem
 
 PARIS = QAItem(id="q1", question="What is the capital of France?", golden_answers=["Paris"])
@@ -181,3 +181,35 @@ def test_searchr1_format(qwen_tokenizer, retriever):
     assert retriever.calls == [["capital of France"]]
     assert (good.reward, good.num_search_calls, bad.num_invalid_calls, bad.reward) == (1.0, 1, 1, 1.0)
     assert "<tool_call>" not in qwen_tokenizer.decode(good.prompt_ids)
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.0, 1.5])
+def test_top_p_other_than_one_is_refused_naming_the_key(top_p):
+    """Engine logprobs under a nucleus are not comparable with the trainer's full-vocabulary logprobs (issue 16)."""
+    with pytest.raises(ValueError, match="rollout.agent.top_p"):
+        AgentConfig(top_p=top_p)
+    assert AgentConfig(top_p=1.0).top_p == 1.0
+
+
+@pytest.mark.parametrize("spare", [-1, 0, 1])
+def test_an_observation_that_leaves_no_room_to_answer_ends_the_episode(qwen_tokenizer, retriever, spare):
+    """The cap check before a tool turn: prompt + turn 1 + tool turn must stay below max_total_tokens, else the
+    episode ends after turn 1 (no mask-0 tokens the model could never follow up on)."""
+    turns = [call(["Paris"]), ANSWER]
+    full = make_agent(qwen_tokenizer, retriever, [turns]).rollout([PARIS], 1, 0)[0].trajectories[0]
+    (first, observation, _) = [e - s for _, s, e in runs(full.response_mask)]
+    cap = len(full.prompt_ids) + first + observation + spare
+    traj = (
+        make_agent(qwen_tokenizer, retriever, [turns], max_total_tokens=cap).rollout([PARIS], 1, 0)[0].trajectories[0]
+    )
+    assert len(traj.prompt_ids) + len(traj.response_ids) <= cap
+    if spare <= 0:  # the tool turn would fill the cap: it is not appended
+        assert traj.truncated and traj.num_turns == 1 and set(traj.response_mask) == {1}
+        assert len(traj.response_ids) == first
+    else:  # one token of room: the tool turn goes in, the model's answer is cut to that token
+        assert (
+            traj.truncated
+            and traj.num_turns == 2
+            and traj.response_mask[first : first + observation] == [0] * observation
+        )
+        assert len(traj.response_ids) == first + observation + 1

@@ -1,0 +1,149 @@
+"""Stand-ins for the rollout side, so `DSPOModule` + `EnvironmentCallback` train on CPU in seconds in tests.
+
+`build_toy_lm` writes a random Qwen2 model with a tiny vocabulary (no tokenizer, no download); `ScriptedAgent` returns
+token-level groups whose content depends only on the prompt and the call's seed (so a resumed run can be compared
+with an uninterrupted one); `RecordingEngine` keeps every weight push. `attach` wires them into a callback in place of
+the vLLM engine, the search agent and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from dspo.environment import RolloutEnvironment
+from dspo.types import QAItem, RolloutGroup, Trajectory
+
+TOY_VOCAB = 48
+
+
+def build_toy_lm(output_dir: str, vocab_size: int = TOY_VOCAB, seed: int = 0) -> str:
+    """A 1-layer Qwen2 causal LM (hidden 16) saved with `save_pretrained`; float32, dropout-free."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(output_dir)
+    return output_dir
+
+
+@dataclass
+class ScriptedAgent:
+    """`SearchAgent.rollout` look-alike: G trajectories per prompt, at least one reward 1 and one reward 0 each.
+
+    Response lengths, environment-token positions (mask 0) and rewards come from `random.Random(f"{id}/{seed}")`.
+    """
+
+    vocab_size: int = TOY_VOCAB
+    calls: list[tuple[list[str], int, int | None]] = field(default_factory=list)  # (prompt ids, version, seed)
+    last_stats: dict[str, float] = field(default_factory=lambda: {"search_calls_mean": 0.0, "invalid_calls": 0.0})
+
+    def rollout(
+        self, items: list[QAItem], group_size: int, policy_version: int, greedy: bool = False, seed: int | None = None
+    ) -> list[RolloutGroup]:
+        self.calls.append(([item.id for item in items], policy_version, seed))
+        return [self._group(item, group_size, policy_version, seed) for item in items]
+
+    def _group(self, item: QAItem, group_size: int, policy_version: int, seed: int | None) -> RolloutGroup:
+        rng = random.Random(f"{item.id}/{seed}")
+        prompt = [rng.randrange(3, self.vocab_size) for _ in range(rng.randint(2, 4))]
+        rewards = [1.0, 0.0] + [float(rng.random() < 0.5) for _ in range(group_size - 2)]
+        rng.shuffle(rewards)
+        trajectories = []
+        for reward in rewards:
+            response = [rng.randrange(3, self.vocab_size) for _ in range(rng.randint(2, 7))]
+            mask = [0 if 0 < i < len(response) - 1 and rng.random() < 0.25 else 1 for i in range(len(response))]
+            logprobs = [-1.0 if m else 0.0 for m in mask]
+            trajectories.append(Trajectory(prompt, response, mask, logprobs, reward, policy_version=policy_version))
+        return RolloutGroup(item=item, trajectories=trajectories)
+
+
+@dataclass
+class RecordingEngine:
+    """Holds a version tag and a copy of every pushed weight set, as the real engines' `push_weights` would load."""
+
+    version: int = 0
+    pushes: list[tuple[int, dict[str, torch.Tensor]]] = field(default_factory=list)
+
+    def push_weights(self, named_tensors, version: int) -> None:
+        self.pushes.append((version, {name: tensor.detach().clone() for name, tensor in named_tensors}))
+        self.version = version
+
+
+def toy_items(n: int = 40) -> list[QAItem]:
+    return [QAItem(id=str(i), question=f"q{i}", golden_answers=["a"]) for i in range(n)]
+
+
+class _Tokenizer:
+    pad_token_id = 0
+
+    def save_pretrained(self, path: str) -> None:  # the toy model has no tokenizer files to export
+        return None
+
+
+def attach(callback, agent: ScriptedAgent, engine: RecordingEngine, world_size: int = 1) -> None:
+    """Put the stand-ins into an `EnvironmentCallback` before `trainer.fit` (its `setup` then builds nothing)."""
+    callback.engine, callback.agent, callback.tokenizer = engine, agent, _Tokenizer()
+    callback.environment = RolloutEnvironment(agent, callback.algo, 0, world_size)
+
+
+def toy_run(
+    model_dir: str, root: str, max_steps: int, module_cls: Any = None, lr: float = 1e-2, seed: int = 0, **algorithm
+) -> SimpleNamespace:
+    """Module, callback (with the stand-ins attached), datamodule and a CPU trainer for `max_steps` optimizer steps.
+
+    `algorithm` overrides `AlgorithmConfig` fields (defaults: G=4, B=2, M=1, micro-batches of 3 sequences, wide clip,
+    no rollout correction).
+    """
+    import lightning.pytorch as pl
+
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.callbacks.environment import EnvironmentCallback
+    from dspo.data.datamodule import PromptSampler, RolloutDataModule
+    from dspo.models import ModelConfig
+    from dspo.module import DSPOModule, OptimizerConfig
+
+    defaults = {"group_size": 4, "batch_groups": 2, "micro_batch_size": 3, "clip_low": 0.2, "clip_high": 0.3}
+    if "rollout_correction" in AlgorithmConfig.__dataclass_fields__:  # scripted engine logprobs are not the model's
+        defaults["rollout_correction"] = {"mode": "none"}
+    algo = AlgorithmConfig(**{**defaults, **algorithm})
+    model = ModelConfig(path=model_dir)
+    module = (module_cls or DSPOModule)(model, algo, OptimizerConfig(lr=lr, weight_decay=0.0))
+    callback = EnvironmentCallback(None, None, None, algo, model, seed=seed, sample_every_n_rounds=0)
+    agent, engine = ScriptedAgent(), RecordingEngine()
+    attach(callback, agent, engine)
+    datamodule = RolloutDataModule(train_files=["scripted"], seed=seed)
+    datamodule.sampler = PromptSampler(toy_items(), seed=seed)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    return SimpleNamespace(
+        module=module, callback=callback, agent=agent, engine=engine, datamodule=datamodule, trainer=trainer
+    )
