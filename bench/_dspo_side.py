@@ -43,7 +43,7 @@ class RoundClock(pl.Callback):
         self.prompt_ids: list[list[int]] = []
 
     def _wrap(self, trainer: pl.Trainer) -> None:
-        from dspo.callbacks.environment import EnvironmentCallback
+        from dspo.callbacks.environment_callback import EnvironmentCallback
 
         env_cb = next(c for c in trainer.callbacks if isinstance(c, EnvironmentCallback))
         sample_round, push_weights = env_cb.environment.sample_round, env_cb.engine.push_weights
@@ -105,7 +105,7 @@ def main(spec_path: str, result_path: str) -> None:
     configure_threads()  # as dspo-train: in-process vLLM engine, torch threads = DSPO_NUM_THREADS
     from hydra import compose, initialize_config_dir
 
-    from dspo.environment import SamplingExhausted
+    from dspo.rollout.environment import SamplingExhausted
     from dspo.train import CONF_DIR, build
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

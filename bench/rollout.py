@@ -2,7 +2,7 @@
 
     python bench/rollout.py [--questions 8] [--group-size 4] [--max-turns 4] [--max-new-tokens 64]
 
-The model is a tiny random Qwen2 with the Qwen2.5 vocabulary, steered (dspo.models.tiny.steer_tiny_model) to close
+The model is a tiny random Qwen2 with the Qwen2.5 vocabulary, steered (dspo.toy.model.steer_tiny_model) to close
 a tool call (`</tool_call>`) about every 1/p_close tokens and to end its turn with EOS about every 1/p_eos tokens, so
 episodes run several turns. Its calls are malformed JSON (a random model cannot write a query), so every tool turn
 is an error observation: the time share of search is that of the agent's bookkeeping of observations, while the
@@ -26,7 +26,7 @@ def build_model(directory: str, p_close: float, p_eos: float) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspo.models.tiny import build_tiny_model, steer_tiny_model
+    from dspo.toy.model import build_tiny_model, steer_tiny_model
 
     path = build_tiny_model(str(DATA / "tokenizers" / "qwen2.5"), directory)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -71,9 +71,9 @@ class PeakRSS:
 def toy_trajectories(workdir: Path, count: int, seed: int) -> tuple[list, object]:
     """`count` rendered toy-world trajectories (30 % imperfect) and the toy tokenizer."""
     from dspo.data.qa import load_qa
-    from dspo.data.toyworld import ToyWorldConfig, build_toyworld, load_world_meta
-    from dspo.models.tokenizer import load_tokenizer
-    from dspo.warmstart import build_toy_tokenizer, render_demonstrations, toy_retriever
+    from dspo.toy.tokenizer import load_tokenizer
+    from dspo.toy.warmstart import build_toy_tokenizer, render_demonstrations, toy_retriever
+    from dspo.toy.world import ToyWorldConfig, build_toyworld, load_world_meta
 
     world = build_toyworld(str(workdir / "world"), ToyWorldConfig(seed=seed))
     tokenizer = load_tokenizer(build_toy_tokenizer(world, str(workdir / "tokenizer")))
@@ -185,7 +185,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspo.models.tiny import build_tiny_model
+    from dspo.toy.model import build_tiny_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

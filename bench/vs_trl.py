@@ -44,11 +44,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _trl_env import ensure_trl_venv  # bench/ is on sys.path when this script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"  # carried by the repository (data/README.md)
@@ -65,7 +66,7 @@ def build_scripted_model(directory: str, last_prompt_token: str, p_correct: floa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspo.models.tiny import build_tiny_model
+    from dspo.toy.model import build_tiny_model
 
     if not 0 < p_correct <= 0.5:
         raise ValueError(f"--p-correct must be in (0, 0.5], got {p_correct}")
@@ -128,52 +129,6 @@ def resolve_workload(args: argparse.Namespace, work: Path) -> tuple[str, list[di
     return model, rows, [render_prompt(tok, build_messages(r["question"], "searchr1"), "searchr1") for r in rows]
 
 
-# ------------------------------------------------------------------------------------------------ TRL environment
-def probe_trl(python: Path) -> dict | None:
-    code = (
-        "import json, torch, transformers, trl, accelerate\n"
-        "print(json.dumps({'trl': trl.__version__, 'accelerate': accelerate.__version__, 'torch': torch.__version__,"
-        " 'transformers': transformers.__version__, 'torch_file': torch.__file__, 'tf_file': transformers.__file__}))"
-    )
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
-
-
-def ensure_trl_venv(venv: Path, version: str, fresh: bool) -> dict:
-    """Throwaway venv that sees this environment's packages and adds TRL (+ its missing deps) on top."""
-    import venv as venv_module
-    from importlib.metadata import distributions
-
-    ours = list(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
-    python = venv / "bin" / "python"
-    if fresh and venv.exists():
-        shutil.rmtree(venv)
-    info = probe_trl(python) if python.exists() else None
-    if info is None or info["trl"] != version:
-        print(f"building the TRL environment in {venv} (trl=={version}) ...", flush=True)
-        venv_module.EnvBuilder(with_pip=True, clear=True).create(venv)
-        site = subprocess.check_output(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-        ).strip()
-        lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in ours)
-        Path(site, "_dspo_environment.pth").write_text(lines)
-        pins = {d.metadata["Name"]: d.version for d in distributions() if d.metadata["Name"]}
-        pins.pop("dspo", None)
-        constraints = venv / "constraints.txt"  # pip may add packages, never replace ours
-        constraints.write_text("".join(f"{name}=={v}\n" for name, v in sorted(pins.items())))
-        pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-c", str(constraints)]
-        done = subprocess.run([*pip, f"trl=={version}"], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"pip install trl=={version} failed in {venv}:\n{done.stdout}\n{done.stderr}")
-        info = probe_trl(python)
-        if info is None:
-            raise RuntimeError(f"TRL environment {venv}: `import trl` fails after installing trl=={version}")
-    for key in ("torch_file", "tf_file"):
-        if not any(info[key].startswith(p) for p in ours):
-            raise RuntimeError(f"TRL environment uses its own {info[key]}; rebuild with --fresh-trl-venv")
-    return info
-
-
 # ------------------------------------------------------------------------------------------------ runs
 # Settings of both dspo configurations; everything the toy experiment would set is given here (`~experiment`).
 # The BM25 retriever over 50 passages exists because the environment needs one: with max_turns=1 nobody searches.
@@ -183,7 +138,8 @@ DSPO_FIXED = (
     "rollout.agent.max_turns=1 rollout.agent.max_total_tokens=2048 rollout.agent.tag_format=searchr1 "
     "rollout.agent.top_p=1.0 optimizer.warmup_steps=0 optimizer.weight_decay=0.01 optimizer.max_grad_norm=1.0 "
     "trainer.limit_val_batches=0 trainer.enable_progress_bar=false +trainer.enable_checkpointing=false logger=none "
-    "~callbacks.checkpoint ~callbacks.best ~callbacks.lr_monitor callbacks.environment.sample_every_n_rounds=0 "
+    "~callbacks.checkpoint ~callbacks.best ~callbacks.lr_monitor ~callbacks.progress "
+    "callbacks.environment.sample_every_n_rounds=0 "
     "run_test=false"
 )
 

@@ -5,7 +5,7 @@ content of the LAST `<answer>â€¦</answer>` in the model's own text; no answer â†
 text only (the agent does this), so that a retrieved document containing `<answer>` can never score.
 
 `extract_answer` is the only answer extractor: the agent calls it once and stores `Trajectory.answer`, which both the
-training reward (`subem_reward`) and evaluation (`dspo.evaluation`) score as is, so the two can never disagree.
+training reward (`subem_reward`) and evaluation (`dspo.eval.pipeline`) score as is, so the two can never disagree.
 
 `max_answer_words` is an optional guard (off by default = paper-faithful): subEM rewards an answer that lists many
 candidates, which RL can learn to exploit; with the guard, answers longer than that many words score 0.

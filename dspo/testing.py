@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dspo.environment import RolloutEnvironment
+from dspo.rollout.environment import RolloutEnvironment
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 TOY_VOCAB = 48
@@ -115,7 +115,7 @@ def toy_run(
     import lightning.pytorch as pl
 
     from dspo.algorithms.config import AlgorithmConfig
-    from dspo.callbacks.environment import EnvironmentCallback
+    from dspo.callbacks.environment_callback import EnvironmentCallback
     from dspo.data.datamodule import PromptSampler, RolloutDataModule
     from dspo.models import ModelConfig
     from dspo.module import DSPOModule, OptimizerConfig

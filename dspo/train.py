@@ -9,6 +9,7 @@ dspo-train ckpt_path=last                           # resume the newest run of t
 from __future__ import annotations
 
 import glob
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -27,28 +28,55 @@ def no_logger() -> bool:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path=last`: the newest `last.ckpt` among runs named `run_name`; the run then continues in its directory."""
+    """`ckpt_path=last`: the newest loadable checkpoint (last.ckpt, or a step file when last.ckpt is truncated or
+    empty) among runs named `run_name`, skipping failure/non_finite.ckpt; the run then continues in its directory.
+    `ckpt_path=auto`: the same when such a checkpoint exists, else a fresh start (a requeued job's command line)."""
+    from dspo.checkpointing import ERROR_CHECKPOINTS, newest_loadable
+
     if cfg.ckpt_path in (None, ""):
         return None
-    if cfg.ckpt_path != "last":
+    if cfg.ckpt_path not in ("last", "auto"):
         path = Path(cfg.ckpt_path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file")
+        if not path.exists():  # a file, or a folder (distributed checkpoint of trainer=fsdp)
+            raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file or folder")
         return str(path)
-    pattern = os.path.join(cfg.paths.outputs, "train", f"{cfg.run_name}_*", "checkpoints", "last.ckpt")
-    candidates = sorted(glob.glob(pattern), key=os.path.getmtime)
-    local = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
-    if local.is_file():
-        candidates.append(str(local))
+    pattern = os.path.join(cfg.paths.outputs, "train", f"{cfg.run_name}_*", "checkpoints", "*.ckpt")
+    found = {*glob.glob(pattern), *glob.glob(str(Path(cfg.output_dir) / "checkpoints" / "*.ckpt"))}
+    candidates = [c for c in found if Path(c).name not in ERROR_CHECKPOINTS]
+    if not candidates and cfg.ckpt_path == "auto":
+        log.info("ckpt_path=auto: no checkpoint of run_name=%s yet; starting a new run", cfg.run_name)
+        return None
     if not candidates:
         raise FileNotFoundError(
             f"ckpt_path=last: no checkpoint matches {pattern}. Check run_name (now '{cfg.run_name}') and "
             "paths.outputs, or pass ckpt_path=/path/to/file.ckpt"
         )
-    ckpt = candidates[-1]
+    ckpt = newest_loadable(candidates)
+    if ckpt is None:
+        raise FileNotFoundError(
+            f"ckpt_path=last: none of the {len(candidates)} checkpoints matching {pattern} can be loaded (the "
+            "warnings above say why); pass ckpt_path=/path/to/file.ckpt or start a new run_name"
+        )
     with open_dict(cfg):
         cfg.output_dir = str(Path(ckpt).parents[1])
     return ckpt
+
+
+def import_modules(names: Any) -> None:
+    """`imports=[my_pkg.my_objective, ...]`: import user modules before anything is instantiated, so that what they
+    register (`@register_loss`, ...) exists when the config is built and validated (docs/extending.md)."""
+    if names is None:
+        return
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"imports must be a list of module names, e.g. imports=[my_objective]; got {names!r}")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # ImportError, or whatever the module raises while it runs
+            raise ImportError(
+                f"imports: module '{name}' failed to import ({type(error).__name__}: {error}); check its name and "
+                "that its folder is on PYTHONPATH (e.g. PYTHONPATH=docs/examples dspo-train imports=[...])"
+            ) from error
 
 
 def prepare(cfg: DictConfig) -> None:
@@ -89,9 +117,13 @@ def fit_or_checkpoint(trainer, module, datamodule, ckpt_path: str | None) -> Non
 def train(cfg: DictConfig) -> float | None:
     import lightning.pytorch as pl
 
+    from dspo.callbacks.checkpoints import preempted
+    from dspo.console import quiet_console
     from dspo.runtime import configure_threads
 
+    quiet_console()
     configure_threads()
+    import_modules(cfg.get("imports"))
     ckpt_path = resolve_ckpt_path(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     prepare(cfg)
@@ -99,6 +131,12 @@ def train(cfg: DictConfig) -> float | None:
     trainer, module, datamodule = objects["trainer"], objects["module"], objects["datamodule"]
     fit_or_checkpoint(trainer, module, datamodule, ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    saved = preempted(trainer)
+    if saved:
+        log.warning(
+            "stopped by a preemption signal at step %d; resume with ckpt_path=last (%s)", trainer.global_step, saved
+        )
+        return metrics.get(cfg.sweep_metric)
     if cfg.run_test and datamodule.test_files:
         for result in trainer.test(module, datamodule=datamodule, verbose=False):
             metrics.update({k: float(v) for k, v in result.items()})

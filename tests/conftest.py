@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import dspo  # noqa: F401  registers the configs' resolvers (${dspo.data_dir:}, ${dspo.precision:}) for compose() in tests
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -159,7 +159,7 @@ def _lightning_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
     distributed checkpoint, then a fresh trainer resumed from it to step 4. Writes what the parent checks."""
     import lightning.pytorch as pl
 
-    from dspo.environment import RolloutEnvironment
+    from dspo.rollout.environment import RolloutEnvironment
     from dspo.strategies import FSDP2Strategy
     from dspo.testing import toy_run
 
@@ -244,7 +244,7 @@ def test_dspo_module_under_fsdp2_strategy_pushes_checkpoints_and_resumes(tmp_pat
     assert all(torch.equal(resumed[0][1][k], first_final[k]) for k in first_final)
     assert any(not torch.equal(resumed[1][1][k], first_final[k]) for k in first_final)
     # dspo-eval's export reads the folder in one process: the policy of the first run's end, Hugging Face names
-    from dspo.evaluate import export_checkpoint
+    from dspo.eval.cli import export_checkpoint
 
     out, step = export_checkpoint(str(folder), str(tmp_path / "exported"))
     assert step == 2

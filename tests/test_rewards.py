@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dspo.evaluation import Prediction
+from dspo.eval.pipeline import Prediction
 from dspo.rewards import extract_answer, subem_reward
 from dspo.types import QAItem, RolloutGroup, Trajectory
 

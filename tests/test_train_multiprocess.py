@@ -30,8 +30,9 @@ def _run_dir(outputs: Path, name: str) -> Path:
 @pytest.mark.slow
 def test_ddp_two_processes_split_the_round_stay_identical_and_resume(run_train, short_default, tmp_path):
     outputs = tmp_path / "outputs"
-    # B = 2 groups per round: one per rank; G = 4, M = 2 -> 2 sequences per rank and optimizer step
-    args = [*short_default, "trainer=ddp", "trainer.devices=2", "trainer.max_steps=4", "run_name=ddp"]
+    # B = 2 groups per round: one per rank; G = 4, M = 2 -> 2 sequences per rank and optimizer step. DAPO, so that the
+    # token-mean normalizer is all-reduced across the ranks (dspo's sequence-level path runs multi-process in test_fsdp)
+    args = [*short_default, "trainer=ddp", "trainer.devices=2", "trainer.max_steps=4", "run_name=ddp", "algorithm=dapo"]
     result = run_train(args, outputs)
     assert "dspo-train finished" in result.stdout
     run = _run_dir(outputs, "ddp")
@@ -76,6 +77,6 @@ def test_sigterm_saves_at_the_round_end_stops_cleanly_and_resumes(toy_cache, run
     run = _run_dir(outputs, "preempted")
     saved = _step(run / "checkpoints" / "last.ckpt")
     assert saved % 2 == 0 and 2 <= saved < 40  # at a round boundary (M = 2), long before max_steps
-    assert not (run / "test").exists()  # a preempted run skips the test pass
+    assert not (run / "test").exists() and not (run / "model").exists()  # a preempted run skips test and export
     run_train([*args, f"trainer.max_steps={saved + 2}", "ckpt_path=last", "run_test=false"], outputs)
     assert _step(run / "checkpoints" / "last.ckpt") == saved + 2

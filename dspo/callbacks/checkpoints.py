@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,13 @@ class RoundCheckpoint(ModelCheckpoint):
             mode="max",
             save_on_train_epoch_end=False,
         )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        # With manual optimization Lightning 2.6 warns (and prints a code sample) that the checkpoint holds the state
+        # after the optimizer step. That is what dspo wants at a round boundary: the weights the next round samples.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 _SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2, "SIGINT": signal.SIGINT}

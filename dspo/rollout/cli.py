@@ -89,6 +89,9 @@ def run_rollout(cfg: DictConfig) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="rollout_cli", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from dspo.console import quiet_console
+
+    quiet_console()
     run_rollout(cfg)
 
 

@@ -126,7 +126,7 @@ def make_script(
 ) -> ScriptedPolicy:
     """The scripted policy for `item` (a toy-world question; its metadata holds `chain` and `relations`).
 
-    `world_meta` is `dspo.data.toyworld.load_world_meta(files)`. The policy's kind is drawn from `rng`.
+    `world_meta` is `dspo.toy.world.load_world_meta(files)`. The policy's kind is drawn from `rng`.
     """
     meta = item.metadata
     if "relations" not in meta or "chain" not in meta:

@@ -1,7 +1,7 @@
 """Name-recall drills for the toy warm start: `filler name filler name ... cue name`, loss on the repeated name.
 
-A stage before the demonstrations (`dspo.warmstart`) that forms the circuit copying the one name of the asked type from
-the context, the skill whole demonstrations failed to teach a tiny model in the time budget (measured in
+A stage before the demonstrations (`dspo.toy.warmstart`) that forms the circuit copying the one name of the asked type
+from the context, the skill whole demonstrations failed to teach a tiny model in the time budget (measured in
 `recall_examples`). Not part of the paper: it stands in, with the demonstrations, for a pretrained instruct model.
 """
 

@@ -203,5 +203,5 @@ def _with_template_texts(texts: Iterable[str], words: Sequence[str]) -> Iterable
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """Load a tokenizer saved by `train_tokenizer` (local files only, no remote code)."""
     if not Path(path, "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {path}; train one with dspo.models.tokenizer.train_tokenizer")
+        raise FileNotFoundError(f"no tokenizer.json in {path}; train one with dspo.toy.tokenizer.train_tokenizer")
     return AutoTokenizer.from_pretrained(path)

@@ -2,7 +2,7 @@
 
 Why this exists (and departs from the paper, which starts RL from Qwen2.5-Instruct): nothing pretrained can be
 downloaded here, and a random model cannot discover `<tool_call>` JSON by RL in minutes. So the toy default first
-fine-tunes on scripted demonstrations (`dspo.data.demos`), a configurable share of them imperfect so RL has room to
+fine-tunes on scripted demonstrations (`dspo.toy.demos`), a configurable share of them imperfect so RL has room to
 improve. Real runs skip this and start RL from an instruct model.
 
 Demonstrations are rendered by the real agent loop (`SearchAgent` + `ScriptedEngine` + BM25 over the toy corpus), so
@@ -11,7 +11,7 @@ observation format), and the loss covers exactly the mask-1 (model-generated) to
 
 Two stages: name-recall drills (`recall_examples`) first, because copying a name from a passage is the skill whole
 demonstrations fail to teach in the time budget; then the demonstrations, with copied name pieces weighted up.
-Both use only the world's `demo` split (see `dspo.data.toyworld`): RL's training questions stay as new to the
+Both use only the world's `demo` split (see `dspo.toy.world`): RL's training questions stay as new to the
 warm-started model as validation ones.
 
 Everything is cached: `prepare_toy_default` reuses a world, tokenizer and model whose manifests match the config.
@@ -31,16 +31,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dspo.data.demos import make_script
-from dspo.data.drills import Example, recall_examples
 from dspo.data.qa import load_qa
-from dspo.data.toyworld import SPLITS, ToyWorldConfig, ToyWorldFiles, build_toyworld, load_name_words, load_world_meta
-from dspo.models.tiny import build_tiny_model
-from dspo.models.tokenizer import load_tokenizer, train_tokenizer
 from dspo.rollout.agent import AgentConfig, SearchAgent
-from dspo.rollout.engine import HFEngine, ScriptedEngine
+from dspo.rollout.engine import HFEngine
 from dspo.rollout.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
+from dspo.rollout.scripted import ScriptedEngine
 from dspo.search.bm25 import BM25Index, build_or_load_index
+from dspo.toy.demos import make_script
+from dspo.toy.drills import Example, recall_examples
+from dspo.toy.model import build_tiny_model
+from dspo.toy.tokenizer import load_tokenizer, train_tokenizer
+from dspo.toy.world import SPLITS, ToyWorldConfig, ToyWorldFiles, build_toyworld, load_name_words, load_world_meta
 from dspo.types import QAItem, Trajectory
 
 MANIFEST = "warmstart_manifest.json"

@@ -138,7 +138,7 @@ class _Namer:
     Why one pool per slot (first names, last names, city stems, country stems, ...): the toy tokenizer makes every
     pool word one id, so an id tells the type of the name it belongs to, and no passage names two entities of one type
     besides its subject. Reading a fact is then "copy the city-stem id in the passage", which a 3-layer model learns
-    in minutes from recall drills plus the demonstrations (dspo.warmstart). With names that share pieces across
+    in minutes from recall drills plus the demonstrations (dspo.toy.warmstart). With names that share pieces across
     types, reading needs induction heads (copy what follows a key phrase); measured: a 3-layer model copied 1.5 % of
     validation name pieces after 1,200 SFT steps, and formed no induction heads in 800 steps of a synthetic copy task.
     """

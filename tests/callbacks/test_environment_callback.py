@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.callbacks.environment import EnvironmentCallback
+from dspo.callbacks.environment_callback import EnvironmentCallback
 from dspo.models import ModelConfig
 from dspo.module import DSPOModule
 from dspo.rollout.agent import AgentConfig

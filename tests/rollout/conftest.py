@@ -70,6 +70,6 @@ def qwen_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Qwen2 with the Qwen2.5 vocabulary (head_dim 64), built once per session."""
-    from dspo.models.tiny import build_tiny_model
+    from dspo.toy.model import build_tiny_model
 
     return build_tiny_model(str(QWEN_TOKENIZER), str(tmp_path_factory.mktemp("tiny_qwen")))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspo.rollout.engine import HFEngine, RolloutEngine, SamplingConfig, ScriptedEngine
+from dspo.rollout.engine import HFEngine, RolloutEngine, SamplingConfig
+from dspo.rollout.scripted import ScriptedEngine
 
 STOPS = ["</tool_call>", "</answer>"]
 

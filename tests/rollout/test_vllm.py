@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from dspo.models.tiny import steer_tiny_model
 from dspo.rollout.agent import AgentConfig, SearchAgent
 from dspo.rollout.engine import SamplingConfig
 from dspo.rollout.prompts import SEARCH_TOOL_SCHEMA, build_messages
+from dspo.toy.model import steer_tiny_model
 from dspo.types import QAItem
 
 pytestmark = pytest.mark.slow

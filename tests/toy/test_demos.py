@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from dspo.data.demos import CORRECT, IMPERFECT_KINDS, ScriptedPolicy, choose_kind, make_script
-from dspo.data.toyworld import ToyWorldConfig, generate_world
 from dspo.rewards import extract_answer, subem_reward
 from dspo.rollout.parsing import parse_qwen_tool_call
 from dspo.search.bm25 import BM25Index
+from dspo.toy.demos import CORRECT, IMPERFECT_KINDS, ScriptedPolicy, choose_kind, make_script
+from dspo.toy.world import ToyWorldConfig, generate_world
 from dspo.types import Passage, QAItem
 
 CFG = ToyWorldConfig(seed=1, num_people=120, num_companies=60, num_rivers=12, num_distractors=40)

@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dspo.data.drills import recall_examples
-from dspo.data.toyworld import ToyWorldConfig, build_toyworld, load_name_words, load_world_meta
-from dspo.models.tokenizer import load_tokenizer
-from dspo.warmstart import build_toy_tokenizer
-
-WORLD = ToyWorldConfig(
-    seed=5, num_countries=8, num_people=80, num_companies=40, num_rivers=8, num_distractors=20,
-    num_train=40, num_val=20, num_test=20, num_demo=40,
-)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("drills")
-    world = build_toyworld(str(root / "world"), WORLD)
-    return world, build_toy_tokenizer(world, str(root / "tok"), vocab_size=1024)
+from dspo.toy.drills import recall_examples
+from dspo.toy.tokenizer import load_tokenizer
+from dspo.toy.world import load_name_words, load_world_meta
 
 
 def test_recall_drills_ask_for_a_listed_fresh_name(toy) -> None:

@@ -8,9 +8,9 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 
-from dspo.data.toyworld import ToyWorldConfig, generate_world
-from dspo.models import tokenizer as tk
 from dspo.resources import data_dir
+from dspo.toy import tokenizer as tk
+from dspo.toy.world import ToyWorldConfig, generate_world
 
 QWEN = data_dir() / "tokenizers" / "qwen2.5" / "tokenizer_config.json"
 SCHEMA = {

@@ -10,36 +10,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dspo.data.demos import CORRECT, make_script
 from dspo.data.qa import load_qa
-from dspo.data.toyworld import ToyWorldConfig, build_toyworld, load_world_meta
-from dspo.models.tokenizer import load_tokenizer
-from dspo.warmstart import (
+from dspo.toy.demos import CORRECT, make_script
+from dspo.toy.tokenizer import load_tokenizer
+from dspo.toy.warmstart import (
     MANIFEST,
     WarmStartConfig,
-    build_toy_tokenizer,
     observations_in,
     render_demonstrations,
     sft_loss,
     toy_retriever,
     warm_start,
 )
+from dspo.toy.world import load_world_meta
 
-WORLD = ToyWorldConfig(
-    seed=5, num_countries=8, num_people=80, num_companies=40, num_rivers=8, num_distractors=20,
-    num_train=40, num_val=20, num_test=20, num_demo=40,
-)  # fmt: skip
 SMALL = WarmStartConfig(
     num_demos=16, hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128, steps=3, batch_size=4,
     recall_steps=3, recall_batch_size=4, warmup_steps=1,
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ws")
-    world = build_toyworld(str(root / "world"), WORLD)
-    return world, build_toy_tokenizer(world, str(root / "tok"), vocab_size=1024)
 
 
 def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
@@ -80,7 +68,7 @@ def test_warm_start_writes_loadable_cached_model(toy, tmp_path, monkeypatch) -> 
         rendered.extend(items)
         return render_demonstrations(items, *args, **kwargs)
 
-    monkeypatch.setattr("dspo.warmstart.render_demonstrations", spy)
+    monkeypatch.setattr("dspo.toy.warmstart.render_demonstrations", spy)
     out = warm_start(str(tmp_path / "model"), world, tok_dir, SMALL)
     meta = load_world_meta(world)
     # the demonstrations only ever name demo-split entities: RL's training questions stay unseen

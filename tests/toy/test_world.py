@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dspo.data.toyworld import (
+from dspo.search.bm25 import BM25Index
+from dspo.search.corpus import load_corpus
+from dspo.toy.world import (
     SPLITS,
     ToyWorldConfig,
     answer_in_text,
@@ -17,8 +19,6 @@ from dspo.data.toyworld import (
     load_name_words,
     load_world_meta,
 )
-from dspo.search.bm25 import BM25Index
-from dspo.search.corpus import load_corpus
 
 SMALL = ToyWorldConfig(
     seed=3, num_countries=12, num_people=120, num_companies=60, num_rivers=12, num_distractors=40,

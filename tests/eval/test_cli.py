@@ -13,8 +13,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dspo.evaluate import CheckpointError, export_checkpoint, load_eval_sets
-from dspo.evaluation import read_predictions, score
+from dspo.eval.cli import CheckpointError, export_checkpoint, load_eval_sets
+from dspo.eval.pipeline import read_predictions, score
 from dspo.metrics import exact_match, sub_exact_match, token_f1
 from dspo.resources import data_dir
 
@@ -27,7 +27,7 @@ BENCHMARKS = DATA / "benchmarks"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from dspo.models.tiny import build_tiny_model
+    from dspo.toy.model import build_tiny_model
 
     return build_tiny_model(str(TOKENIZER), str(tmp_path_factory.mktemp("tiny") / "model"), hidden_size=64)
 
@@ -187,7 +187,7 @@ def scripted_engine(model_path: str, **_ignored):
     answered with its gold answer, the rest with the title of the first passage found (real BM25 hits)."""
     from transformers import AutoTokenizer
 
-    from dspo.rollout.engine import ScriptedEngine
+    from dspo.rollout.scripted import ScriptedEngine
 
     def script(prompt_text: str, turn: int, index: int) -> str:
         question = re.findall(r"Question: (.*?)(?:<\|im_end\|>|\n)", prompt_text)[0].strip()
@@ -222,7 +222,7 @@ def test_dspo_eval_scripted_end_to_end(
     """Real config, data, BM25 index over the shared corpus, agent loop and scoring; the engine is scripted so that
     scores are neither all 0 nor all 1."""
     from dspo.data.qa import load_qa
-    from dspo.evaluate import run
+    from dspo.eval.cli import run
 
     for name in TWO_BENCHMARKS:
         GOLDS.update({i.question: i.golden_answers for i in load_qa(str(BENCHMARKS / f"{name}.jsonl"), limit=6)})
@@ -263,7 +263,7 @@ def test_dspo_eval_cli_vllm_from_checkpoint(tiny_model: str, index_dir: Path, tm
     ]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
     result = subprocess.run(
-        [sys.executable, "-m", "dspo.evaluate", *overrides],
+        [sys.executable, "-m", "dspo.eval.cli", *overrides],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -289,7 +289,9 @@ def test_paper_experiments_compose_and_instantiate(experiment: str, tmp_path: Pa
             f"output_dir={tmp_path}",
         ],
     )
-    assert cfg.model.path == "/models/qwen" and cfg.model.dtype == "bfloat16"
+    # fp32 master weights and AdamW state, bf16 compute on the GPUs (bf16 weights would round lr-1e-6 updates away)
+    assert cfg.model.path == "/models/qwen" and cfg.model.dtype == "float32" and cfg.trainer.precision == "bf16-mixed"
+    assert (cfg.callbacks.checkpoint.every_n_rounds, cfg.callbacks.checkpoint.steps_per_round) == (10, 2)
     algorithm = instantiate(cfg.algorithm)
     assert (algorithm.name, algorithm.group_size, algorithm.batch_groups, algorithm.num_minibatches) == (
         "dspo",
@@ -302,7 +304,7 @@ def test_paper_experiments_compose_and_instantiate(experiment: str, tmp_path: Pa
     assert (agent.max_turns, agent.topk, agent.max_new_tokens_per_turn, agent.max_total_tokens) == (4, 3, 500, 4096)
     assert cfg.rollout.engine.max_model_len >= agent.max_total_tokens
     assert instantiate(cfg.optimizer).lr == 1e-6
-    assert cfg.trainer.max_steps == 2010 and cfg.trainer.strategy._target_.endswith("FSDPStrategy")
+    assert cfg.trainer.max_steps == 2010 and cfg.trainer.strategy._target_.endswith("FSDP2Strategy")
     assert cfg.data.train_files == ["data/nq_hotpotqa/train.jsonl"] and len(cfg.data.test_files) == 7
     assert instantiate(cfg.data).test_benchmarks == list(cfg.data.test_files)
     assert cfg.retriever.index == "/indexes/wiki18"

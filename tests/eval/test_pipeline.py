@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspo.evaluation import (
+from dspo.eval.pipeline import (
     AVERAGE,
     Prediction,
     macro_average,

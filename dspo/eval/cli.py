@@ -3,7 +3,7 @@
     dspo-eval model.path=DIR retriever.index=INDEX_DIR [data.root=DIR | data.path=FILE] [eval.limit=N]
     dspo-eval ckpt_path=RUN/checkpoints/last.ckpt retriever.index=INDEX_DIR
 
-Scoring is `dspo.evaluation` (the code validation during training runs), so the numbers of both agree. Outputs, in
+Scoring is `dspo.eval.pipeline` (the code validation during training runs), so the numbers of both agree. Outputs, in
 the Hydra run directory: results.json, results.md, predictions.jsonl, and TensorBoard scalars `test/<benchmark>/*`.
 
 A dspo training checkpoint holds the policy's weights under `policy.` in its `state_dict`; they are written, with
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dspo.evaluation import AVERAGE, macro_average, markdown_table, predict, score, write_results
+from dspo.eval.pipeline import AVERAGE, macro_average, markdown_table, predict, score, write_results
 from dspo.types import QAItem
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class CheckpointError(ValueError):
 def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
     """`torch.load(weights_only=True)`, memory-mapped: only the policy's tensors are read from disk later."""
     path = Path(ckpt_path).expanduser()
+    if path.is_dir():
+        return _read_distributed_checkpoint(path, ckpt_path)
     if not path.is_file():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
     try:
@@ -50,6 +52,26 @@ def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
             f"ckpt_path={ckpt_path}: cannot be read with torch.load(weights_only=True) ({type(error).__name__}: "
             f"{error}). dspo checkpoints hold only tensors and plain containers; re-save foreign ones as a state_dict."
         ) from error
+
+
+def _read_distributed_checkpoint(path: Path, ckpt_path: str) -> dict[str, Any]:
+    """A `trainer=fsdp` checkpoint folder (torch.distributed.checkpoint shards + Lightning's `meta.pt`), read in this
+    one process: Lightning's metadata plus the whole `state_dict` (model weights only, not the optimizer states)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from dspo.checkpointing import checkpoint_problem
+
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"ckpt_path={ckpt_path}: {problem}")
+    checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    state: dict[str, Any] = {}
+    reader, planner = FileSystemReader(str(path)), _EmptyStateDictLoadPlanner(keys={"state_dict"})
+    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    checkpoint["state_dict"] = state["state_dict"]
+    return checkpoint
 
 
 def checkpoint_model_dir(checkpoint: Mapping[str, Any], model_path: str | None) -> str:
@@ -228,6 +250,9 @@ def main() -> None:
 
     @hydra.main(config_path=conf_dir, config_name="eval", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
+        from dspo.console import quiet_console
+
+        quiet_console()
         run(cfg, cfg.eval.get("output_dir") or HydraConfig.get().runtime.output_dir)
 
     _main()

@@ -4,7 +4,7 @@ import pytest
 
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
-from dspo.environment import RolloutEnvironment, SamplingExhausted
+from dspo.rollout.environment import RolloutEnvironment, SamplingExhausted
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 ITEMS = [QAItem(id=str(i), question=f"q{i}", golden_answers=["a"]) for i in range(50)]

@@ -1,7 +1,7 @@
 """Greedy evaluation shared by `dspo-eval` and validation during training: predict → score → write.
 
 No Lightning here: the training module calls `predict` + `update_metrics` (or `score`) from its validation hooks,
-`dspo.evaluate` calls them from the command line, so both report identical numbers.
+`dspo.eval.cli` calls them from the command line, so both report identical numbers.
 
 Scores are the paper's subEM (Eq. 4) plus EM and token F1, all with FlashRAG / Search-R1 answer normalization,
 computed by the torchmetrics classes of `dspo.metrics` (exact sums and counts, safe to reduce across processes).

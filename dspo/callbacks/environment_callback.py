@@ -23,9 +23,9 @@ import torch
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.buffer import Round, build_round
 from dspo.data.datamodule import RoundSlot
-from dspo.environment import RolloutEnvironment
 from dspo.models import ModelConfig, load_tokenizer
 from dspo.models.weights import policy_weights
+from dspo.rollout.environment import RolloutEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class EnvironmentCallback(pl.Callback):
     on_test_start = _eval_start
 
     def predict(self, items):
-        from dspo.evaluation import predict
+        from dspo.eval.pipeline import predict
 
         return predict(self.agent, items, self.eval_batch_size, policy_version=self.rounds_completed, progress=False)
 
@@ -196,7 +196,7 @@ class EnvironmentCallback(pl.Callback):
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """results.json, results.md and predictions.jsonl in `<run dir>/test`, as `dspo-eval` writes them."""
-        from dspo.evaluation import score, write_results
+        from dspo.eval.pipeline import score, write_results
 
         predictions, self._predictions = self._predictions, []
         if predictions and trainer.is_global_zero:

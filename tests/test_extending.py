@@ -1,0 +1,181 @@
+"""The worked examples of docs/extending.md, each run as the guide runs it.
+
+The example modules live in docs/examples (a user's own folder, not a package): tests put that folder on sys.path (or
+PYTHONPATH for `dspo-train` subprocesses) exactly as the guide's commands do, and undo what the imports registered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from dspo.algorithms import losses
+from dspo.algorithms.config import AlgorithmConfig
+from dspo.algorithms.rollout_correction import RolloutCorrectionConfig
+from dspo.train import CONF_DIR, build, import_modules
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "docs" / "examples"
+SEARCHPATH = "hydra.searchpath=[file://docs/examples/conf]"  # as in the guide: relative to the repository root
+
+
+@pytest.fixture
+def examples(monkeypatch):
+    """docs/examples on sys.path, cwd at the repository root; afterwards its modules and registrations are gone."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.chdir(REPO)
+    yield
+    for name in ("my_objective", "my_world", "my_retriever"):
+        sys.modules.pop(name, None)
+    for table in (losses.POLICY_LOSSES, losses.NORMALIZER_UNITS, losses.RATIO_LEVELS):
+        table.pop("seq_cispo", None)
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=["output_dir=/tmp/dspo_extending", *overrides])
+
+
+# ------------------------------------------------------------------------------------ 1. a new objective
+def test_objective_registers_from_imports_with_hand_computed_value_and_gradient(examples):
+    with pytest.raises(ValueError, match="algorithm.loss: unknown objective 'seq_cispo'"):
+        AlgorithmConfig(loss="seq_cispo")  # not known before the import
+    import_modules(["my_objective"])  # what dspo-train does with imports=[my_objective]
+    assert losses.NORMALIZER_UNITS["seq_cispo"] == losses.RATIO_LEVELS["seq_cispo"] == "sequence"
+    AlgorithmConfig(loss="seq_cispo")  # accepted, with the default seq_tis correction
+    with pytest.raises(ValueError, match="rollout_correction.mode"):
+        AlgorithmConfig(loss="seq_cispo", rollout_correction=RolloutCorrectionConfig("token_tis"))
+    assert losses.loss_normalizer("seq_cispo", 4, 100.0) == 4.0
+
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    new = torch.tensor([[-0.8, -1.6, -math.inf], [-0.6, math.nan, -math.inf]], dtype=torch.float64)
+    logprobs = new.clone().requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    advantages = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    loss, stats = losses.policy_loss("seq_cispo", logprobs, old, advantages, mask, 0.2, 0.2)
+    # s_1 = exp(0.3) = 1.3499 -> weight 1.2 (clipped); s_2 = exp(-0.1) = 0.904837 (inside [0.8, 1.2])
+    # J = ((1.2 * 1 * -1.2) + (0.904837 * -0.5 * -0.6)) / 2; loss = -J
+    s2 = math.exp(-0.1)
+    assert loss.item() == pytest.approx(-(1.2 * -1.2 + s2 * 0.3) / 2, abs=1e-12)
+    loss.backward()
+    expected = torch.tensor([[-0.3, -0.3, 0.0], [0.25 * s2, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logprobs.grad, expected, atol=1e-12, rtol=0)
+    assert stats["clipfrac"].item() == 0.5 and stats["ratio_max"].item() == pytest.approx(math.exp(0.3))
+
+
+def test_import_and_registration_errors_name_what_to_fix():
+    with pytest.raises(ImportError, match="imports: module 'no_such_module_xyz' failed to import"):
+        import_modules(["no_such_module_xyz"])
+    with pytest.raises(TypeError, match=r"imports must be a list of module names, e\.g\. imports=\[my_objective\]"):
+        import_modules("my_objective")
+    with pytest.raises(ValueError, match="ratio_level must be one of"):
+        losses.register_loss("mine", ratio_level="chunk")
+    assert "mine" not in losses.POLICY_LOSSES
+
+
+@pytest.mark.slow
+def test_cli_run_with_the_example_objective_logs_train_loss(run_train, short_default, tmp_path, monkeypatch):
+    from dspo.analysis import find_runs, load_scalars
+
+    monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
+    args = ["imports=[my_objective]", "algorithm.loss=seq_cispo", "trainer.max_steps=2", "run_test=false"]
+    run_train([*short_default, "data.val_limit=4", *args], tmp_path / "outputs")
+    (run,) = find_runs(tmp_path / "outputs" / "train")
+    scalars = load_scalars(run.dir)
+    loss = scalars[scalars.tag == "train/loss"]
+    assert len(loss) == 2 and loss.value.map(math.isfinite).all()
+
+
+# ---------------------------------------------------------------------- 2. a new QA dataset and a new world
+def test_new_dataset_composes_into_the_datamodule(examples):
+    cfg = compose_train("data.train_files=[docs/examples/data/my_qa.jsonl]")  # the guide's override
+    datamodule = instantiate(cfg.data)
+    assert datamodule.train_files == ["docs/examples/data/my_qa.jsonl"]
+    assert list(datamodule.val_files) == ["toyworld"]  # validation stays on the toy world
+    datamodule.val_files = {}  # those files belong to prepare=toyworld's cache; only the train stream is tested here
+    datamodule.setup("fit")
+    items = datamodule.sampler.items
+    assert len(items) == 8 and {item.benchmark for item in items} == {"my_qa"}
+    assert items[0].golden_answers == ["Hilaxdale"] and items[6].golden_answers == ["Judros Sobrun", "Sobrun"]
+
+
+def test_new_world_prepares_and_builds_with_its_retriever(examples, tmp_path):
+    cfg = compose_train(SEARCHPATH, "prepare=ships", "data=ships", "retriever=ships", f"paths.cache={tmp_path}")
+    assert list(cfg.prepare) == ["toyworld", "ships"]
+    root = instantiate(cfg.prepare.ships)  # the world's own step (toyworld's builds the policy, cached elsewhere)
+    assert sorted(p.name for p in Path(root).iterdir()) == [
+        "corpus.jsonl",
+        "manifest.json",
+        "test.jsonl",
+        "train.jsonl",
+        "val.jsonl",
+    ]
+    stamp = (Path(root) / "corpus.jsonl").stat().st_mtime_ns
+    assert instantiate(cfg.prepare.ships) == root and (Path(root) / "corpus.jsonl").stat().st_mtime_ns == stamp
+    objects = build(cfg)  # datamodule, module, callbacks (the BM25 index is built here), trainer; nothing fitted
+    datamodule = objects["datamodule"]
+    datamodule.setup("fit")
+    assert len(datamodule.sampler.items) == 40 and list(datamodule.val_sets) == ["ships"]
+    (environment,) = [c for c in objects["callbacks"] if hasattr(c, "retriever")]
+    one_hop, two_hop = datamodule.val_sets["ships"][:2]  # even ids ask the home port, odd ids its coast
+    ship = one_hop.question.removeprefix("From which port does ").removesuffix(" sail?")
+    (hits,) = environment.retriever.search([ship], k=1)
+    assert hits[0].title == ship and hits[0].text.endswith(f"sails from {one_hop.golden_answers[0]}.")
+    # two searches answer a 2-hop question: the ship's passage names its port, the port's passage its coast
+    ship = two_hop.question.removeprefix("On which coast is the home port of ").removesuffix("?")
+    (hits,) = environment.retriever.search([ship], k=1)
+    port = hits[0].text.split("sails from ")[1].rstrip(".")
+    (hits,) = environment.retriever.search([port], k=1)
+    assert hits[0].title == port and hits[0].text == f"{port} is a port on the {two_hop.golden_answers[0]}."
+    assert two_hop.metadata == {"hops": 2}
+
+
+# --------------------------------------------------------------------------------- 3. a new retriever
+def _corpus(path: Path) -> Path:
+    rows = [
+        {"id": "0", "title": "Harbor log", "text": "Ana Lys. Ana Lys. Ana Lys waved at the harbor."},
+        {"id": "1", "title": "Ana Lys", "text": "Ana Lys was born in Veltra, a town known for its ships and sails."},
+        {"id": "2", "title": "Veltra", "text": "Veltra is a town in the south."},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_reranker_is_a_retriever_selected_by_target_and_used_by_the_agent(examples, tmp_path):
+    from transformers import AutoTokenizer
+
+    from dspo.resources import QWEN_TOKENIZER, data_dir
+    from dspo.rollout.agent import AgentConfig, SearchAgent
+    from dspo.rollout.scripted import ScriptedEngine
+    from dspo.search import Retriever
+    from dspo.types import QAItem
+
+    corpus = _corpus(tmp_path / "corpus.jsonl")
+    overrides = [f"retriever.corpus={corpus}", f"retriever.index={tmp_path / 'bm25'}"]
+    bm25 = instantiate(compose_train(*overrides).retriever)
+    cfg = compose_train("retriever._target_=my_retriever.TitleMatchReranker", "+retriever.candidates=3", *overrides)
+    reranker = instantiate(cfg.retriever)
+    assert isinstance(reranker, Retriever) and type(reranker).__name__ == "TitleMatchReranker"
+    query = "Ana Lys"  # the search the agent issues below
+    assert [p.id for p in bm25.search([query], 1)[0]] == ["0"]  # BM25 alone: the passage that repeats the name
+    assert [p.id for p in reranker.search([query], 2)[0]] == ["1", "0"]  # the passage about Ana Lys first
+
+    tokenizer = AutoTokenizer.from_pretrained(str(data_dir().joinpath(*QWEN_TOKENIZER)))
+    turns = ["<search> Ana Lys </search>", "<answer> Veltra </answer>"]
+    config = AgentConfig(tag_format="searchr1", topk=1, max_turns=3)
+    agent = SearchAgent(ScriptedEngine(tokenizer, [turns]), tokenizer, reranker, config)
+    item = QAItem(id="q", question="Where was Ana Lys born?", golden_answers=["Veltra"])
+    (group,) = agent.rollout([item], group_size=1, policy_version=0)
+    trajectory = group.trajectories[0]
+    observation = tokenizer.decode(
+        [t for t, m in zip(trajectory.response_ids, trajectory.response_mask, strict=True) if m == 0]
+    )
+    assert "Ana Lys was born in Veltra" in observation and "waved at the harbor" not in observation
+    assert (trajectory.reward, trajectory.num_search_calls) == (1.0, 1)
