@@ -7,6 +7,7 @@ turns all of this off (and shows vLLM's INFO lines again).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -122,10 +123,12 @@ def _point_vllm_at_config() -> None:
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
         return  # the user configures vLLM's logging
     level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING").upper()  # vLLM's INFO: arguments, timings, layouts
-    path = Path(tempfile.gettempdir()) / f"dspo-vllm-logging-{level}.json"
-    if not path.is_file():  # written once per machine and level; atomically, as processes may start together
+    text = json.dumps(_vllm_logging_config(level), indent=1)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]  # another dspo version writes another file, never reuses
+    path = Path(tempfile.gettempdir()) / f"dspo-vllm-logging-{digest}.json"
+    if not path.is_file():  # atomically: processes of one run start together
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_vllm_logging_config(level), indent=1))
+        tmp.write_text(text)
         os.replace(tmp, path)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
 

@@ -274,7 +274,7 @@ class DSPOModule(pl.LightningModule):
         self.log("train/skipped_steps", float(self._skipped_in_a_row), on_step=True, batch_size=1)
         if self._skipped_in_a_row >= self.optim_cfg.max_consecutive_skips:
             path = Path(self.trainer.default_root_dir) / "checkpoints" / "non_finite.ckpt"
-            self.trainer.save_checkpoint(str(path))
+            self.trainer.save_checkpoint(str(path), weights_only=False)  # full: optimizer + loops
             raise NonFiniteTraining(
                 f"{self._skipped_in_a_row} consecutive non-finite steps (optimizer.max_consecutive_skips); "
                 f"checkpoint saved to {path}. Lower optimizer.lr or check the data of round {slot.round_index}."

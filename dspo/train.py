@@ -102,12 +102,12 @@ def fit_or_checkpoint(trainer, module, datamodule, ckpt_path: str | None) -> Non
     """`trainer.fit`; if it fails (retriever unreachable after its retries, engine error, sampling exhausted, ...),
     save `checkpoints/failure.ckpt` first, then re-raise: the run stops cleanly and can be resumed from there."""
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)  # no arbitrary unpickling
     except Exception as error:
         if trainer.global_step > 0:
             path = Path(trainer.default_root_dir) / "checkpoints" / "failure.ckpt"
             try:
-                trainer.save_checkpoint(str(path))
+                trainer.save_checkpoint(str(path), weights_only=False)  # full: optimizer + loops
                 log.error("training failed (%s); checkpoint saved to %s (resume with ckpt_path=%s)", error, path, path)
             except Exception as save_error:  # the original error matters more than a failed save
                 log.error("training failed (%s); saving a checkpoint failed too (%s)", error, save_error)

@@ -16,7 +16,7 @@ class FailingTrainer:
     def fit(self, *args, **kwargs):
         raise ConnectionError("retrieval service http://127.0.0.1:9/retrieve unreachable after 3 retries")
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, weights_only: bool | None = None) -> None:
         self.saved.append(path)
 
 

@@ -121,7 +121,7 @@ class PreemptionCheckpoint(pl.Callback):
         if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             return
         path = self.dirpath / "last.ckpt"
-        trainer.save_checkpoint(str(path))
+        trainer.save_checkpoint(str(path), weights_only=False)  # a full checkpoint: the run resumes from it
         self.saved_to = str(path)
         trainer.should_stop = True
         log.warning(
