@@ -316,8 +316,15 @@ class DSPOModule(pl.LightningModule):
         if values:
             subems = [v for k, v in values.items() if k.endswith("/subem")]
             values[f"{stage}/subem_mean"] = torch.stack(subems).mean()
-            # already reduced across processes by torchmetrics; sync_dist only silences Lightning's warning
-            self.log_dict({k: float(v) for k, v in values.items()}, sync_dist=True, add_dataloader_idx=False)
+            scalars = {k: float(v) for k, v in values.items()}
+            # already reduced across processes by torchmetrics; sync_dist only silences Lightning's warning. Lightning
+            # would log a validation after k updates at x = k - 1 (its batch index); loggers get x = k instead, so
+            # the step-0 validation (callbacks.validate_at_start) is the warm start and x counts applied updates.
+            # (trainer.test() returns only logger=True metrics: test keeps Lightning's logging, at the final step.)
+            self.log_dict(scalars, sync_dist=True, add_dataloader_idx=False, logger=stage == "test")
+            if stage != "test":
+                for logger in self.loggers:
+                    logger.log_metrics(scalars, step=self.global_step)
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")

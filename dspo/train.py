@@ -62,6 +62,19 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return ckpt
 
 
+def check_round_alignment(cfg: DictConfig) -> None:
+    """Validation runs between optimizer steps, so an interval that is not a multiple of the steps per round would
+    score the policy in the middle of a round (and the step-0 + every-k-steps curves would not line up with rounds)."""
+    steps = int(OmegaConf.select(cfg, "algorithm.num_minibatches", default=1) or 1)
+    interval = OmegaConf.select(cfg, "trainer.val_check_interval", default=None)
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval % steps:
+        fit = steps * max(1, round(interval / steps))
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is not a multiple of algorithm.num_minibatches={steps} (optimizer "
+            f"steps per round): validation would fall mid-round. Use e.g. trainer.val_check_interval={fit}"
+        )
+
+
 def import_modules(names: Any) -> None:
     """`imports=[my_pkg.my_objective, ...]`: import user modules before anything is instantiated, so that what they
     register (`@register_loss`, ...) exists when the config is built and validated (docs/extending.md)."""
@@ -124,6 +137,7 @@ def train(cfg: DictConfig) -> float | None:
     quiet_console()
     configure_threads()
     import_modules(cfg.get("imports"))
+    check_round_alignment(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     prepare(cfg)

@@ -98,7 +98,7 @@ def test_new_dataset_composes_into_the_datamodule(examples):
     cfg = compose_train("data.train_files=[docs/examples/data/my_qa.jsonl]")  # the guide's override
     datamodule = instantiate(cfg.data)
     assert datamodule.train_files == ["docs/examples/data/my_qa.jsonl"]
-    assert list(datamodule.val_files) == ["toyworld"]  # validation stays on the toy world
+    assert list(datamodule.val_files) == ["toy_1hop", "toy_2hop"]  # validation stays on the toy world
     datamodule.val_files = {}  # those files belong to prepare=toyworld's cache; only the train stream is tested here
     datamodule.setup("fit")
     items = datamodule.sampler.items

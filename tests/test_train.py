@@ -33,13 +33,17 @@ METRICS = [
     "train/entropy",
     "rollout/keep_rate",
     "rollout/groups_sampled",
+    "rollout/sampled_reward_mean",
+    "rollout/generated_tokens_total",
     "rollout/tokens_per_s",
     "rollout/search_calls_mean",
     "rollout/invalid_calls",
     "train/response_tokens_mean",
-    "val/toyworld/subem",
+    "val/toy_1hop/subem",
+    "val/toy_2hop/subem",
     "val/subem_mean",
-    "test/toyworld/subem",
+    "test/toy_1hop/subem",
+    "test/toy_2hop/subem",
     "mismatch/logprob_diff_abs_mean",
     "mismatch/kl_k3",
     "mismatch/weight_mean",
@@ -81,7 +85,12 @@ def test_short_default_run_learns_logs_checkpoints_and_resumes(toy_cache, run_tr
     scalars = load_scalars(run.dir)
     for tag in METRICS:
         assert tag in set(scalars.tag), f"{tag} missing from TensorBoard; logged: {sorted(set(scalars.tag))}"
-    assert (scalars[scalars.tag == "train/grad_norm"].value > 0).all()
+    grad = scalars[scalars.tag == "train/grad_norm"].set_index("step").value
+    clipfrac = scalars[scalars.tag == "loss/clipfrac"].set_index("step").value
+    assert (grad[grad.index % 2 == 0] > 0).all()  # a round's first mini-batch is on-policy: nothing is clipped
+    assert ((grad > 0) | (clipfrac == 1.0)).all()  # a zero gradient only when the clip covers every sequence
+    # validation ran before the first update (the warm start's score, step 0) and every val_check_interval=2 steps
+    assert scalars[scalars.tag == "val/toy_2hop/subem"].step.tolist() == [0, 2, 4]
     # vLLM and the trainer both run fp32 on CPU: engine and trainer logprobs agree to float noise, weights stay ~1
     diff = scalars[scalars.tag == "mismatch/logprob_diff_abs_mean"].value
     assert len(diff) == 4 and (diff < 1e-3).all()

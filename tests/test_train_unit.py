@@ -89,3 +89,20 @@ def test_resolve_ckpt_path_auto_starts_fresh_or_resumes(tmp_path):
     (folder / "last.ckpt").write_bytes(b"")  # present but unloadable: auto does not silently start over
     with pytest.raises(FileNotFoundError, match="can be loaded"):
         resolve_ckpt_path(cfg())
+
+
+def test_validation_interval_must_fall_on_round_boundaries():
+    from omegaconf import OmegaConf
+
+    from dspo.train import check_round_alignment
+
+    check_round_alignment(
+        OmegaConf.create({"algorithm": {"num_minibatches": 2}, "trainer": {"val_check_interval": 20}})
+    )
+    check_round_alignment(
+        OmegaConf.create({"algorithm": {"num_minibatches": 4}, "trainer": {"val_check_interval": 1.0}})
+    )
+    with pytest.raises(ValueError, match=r"val_check_interval=25 .*num_minibatches=2.*val_check_interval=24"):
+        check_round_alignment(
+            OmegaConf.create({"algorithm": {"num_minibatches": 2}, "trainer": {"val_check_interval": 25}})
+        )

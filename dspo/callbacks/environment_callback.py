@@ -68,6 +68,7 @@ class EnvironmentCallback(pl.Callback):
             export_dir,
         )
         self.rounds_completed = 0
+        self.generated_tokens_total = 0.0  # compute-matched x axis: sampled tokens so far, filtered groups included
         self.cursor = 0  # next mini-batch of the current round
         self.current: Round | None = None
         self.engine = self.agent = self.environment = self.tokenizer = None
@@ -142,6 +143,8 @@ class EnvironmentCallback(pl.Callback):
         self.cursor = 0
         stats["rollout/padding_share"] = self.current.stats["padding_share"]
         stats["rollout/policy_version"] = float(version)
+        self.generated_tokens_total += stats["rollout/generated_tokens"]
+        stats["rollout/generated_tokens_total"] = self.generated_tokens_total
         pl_module.log_dict(stats, on_step=True, batch_size=1)
         pl_module.log("keep", stats["rollout/keep_rate"], prog_bar=True, logger=False, batch_size=1)
         if self.sample_every_n_rounds and version % self.sample_every_n_rounds == 0:
@@ -206,6 +209,7 @@ class EnvironmentCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "rounds_completed": self.rounds_completed,
+            "generated_tokens_total": self.generated_tokens_total,
             "cursor": self.cursor,
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
@@ -215,6 +219,7 @@ class EnvironmentCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rounds_completed = int(state_dict["rounds_completed"])
+        self.generated_tokens_total = float(state_dict.get("generated_tokens_total", 0.0))
         if int(state_dict.get("cursor", 0)):
             log.warning("checkpoint was taken mid-round; resuming with a fresh round %d", self.rounds_completed)
             self.rounds_completed += 1

@@ -97,6 +97,7 @@ class RolloutEnvironment:
             "rollout/search_calls_mean": search_calls / max(trajectories, 1),
             "rollout/invalid_calls": float(invalid),
             "rollout/sampled_reward_mean": reward_sum / max(trajectories, 1),
+            "rollout/generated_tokens": float(tokens),  # every sampled token, filtered-out groups included
             "rollout/time_s": elapsed,
             "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
         }

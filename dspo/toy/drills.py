@@ -17,31 +17,37 @@ _TYPE_CUE = {"person": " person", "city": " city", "country": " country", "compa
 
 
 def recall_examples(
-    tokenizer, world_meta: dict[str, dict], name_words: list[str], count: int, seed: int, split: str = "demo"
+    tokenizer, pieces: dict[str, tuple[list[str], list[str]]], count: int, seed: int, names_per_drill: int = 4
 ) -> list[Example]:
     """Synthetic recall drills: `filler name filler name ... cue name`, loss on the last name.
 
-    Each drill lists 3-4 names of distinct types, then a cue word (" city", " person", ...) and repeats the name of
-    that type. Why: answering a toy question is copying the one name of the asked type from a passage; in whole
-    demonstrations those few name tokens are ~10 % of the loss and the copy circuit did not form in 1,200 steps
-    (measured: 0.8 % of validation name pieces right), while on these drills it forms in ~100 steps.
+    Each drill lists `names_per_drill` names of distinct types, then a cue word (" city", " person", ...) and repeats
+    the name of that type. Why: answering a toy question is copying the one name of the asked type from a passage; in
+    whole demonstrations those few name tokens are ~10 % of the loss and the copy circuit did not form in 1,200 steps
+    (measured: 0.8 % of validation name pieces right). A curriculum of 1, then 2, then 4 names per drill forms it
+    fastest (measured: with 4 names from the start, 0 % of drills copied after 300 steps; with 1 name first, 47 % of
+    single-name validation drills after 200 steps).
 
-    The drilled names are *fresh combinations* of the pieces of `split` names (a first name with another last name,
-    a city stem with another suffix), never a name of another split's entity. Why: drilled on real names, the model
-    completed a name's second piece from memory (a stem with the suffix it was trained with) instead of copying it,
-    and unseen validation names came out with a familiar wrong suffix (measured). No facts are drilled.
+    `pieces` is `dspo.toy.world.name_pieces(files)`: per type, the pieces every name is built from. The drilled
+    names are *random combinations* of them (a first name with any last name, a city stem with any city suffix).
+    Why all pieces: a piece never drilled has an untrained embedding the model cannot produce (measured: restricted to
+    the demo split's names, every validation river name failed). Why random combinations: drilled on real names, the
+    model completed a name's second piece from memory instead of copying it (measured). Drills state no facts, so a
+    combination that happens to name a validation entity teaches nothing about it: the entity splits stay disjoint
+    in everything the warm start learns about entities.
     """
     rng = random.Random(seed)
-    pieces = _name_pieces(world_meta, name_words, split)
+    pieces = {kind: value for kind, value in pieces.items() if kind in _TYPE_CUE}
     types = sorted(pieces)
     if len(types) < 2:
-        raise ValueError(f"recall_examples: the world needs {split}-split entities of at least two types")
-    taken = {name for name, entity in world_meta.items() if entity["split"] != split}
+        raise ValueError("recall_examples: the world needs entities of at least two types")
+    if not 1 <= names_per_drill <= len(types):
+        raise ValueError(f"recall_examples: names_per_drill={names_per_drill} must be in [1, {len(types)}]")
     filler = tokenizer.encode(_DRILL_FILLER, add_special_tokens=False)
     examples = []
     for _ in range(count):
-        chosen = rng.sample(types, min(4, len(types)))
-        names = {kind: _fresh_name(rng, *pieces[kind], taken) for kind in chosen}
+        chosen = rng.sample(types, names_per_drill)
+        names = {kind: rng.choice(pieces[kind][0]) + rng.choice(pieces[kind][1]) for kind in chosen}
         tokens: list[int] = []
         for kind in chosen:
             tokens += [rng.choice(filler) for _ in range(rng.randint(1, 4))]
@@ -51,27 +57,3 @@ def recall_examples(
         answer = tokenizer.encode(" " + names[asked], add_special_tokens=False)
         examples.append((tokens + answer, [0.0] * len(tokens) + [1.0] * len(answer)))
     return examples
-
-
-def _name_pieces(world_meta: dict[str, dict], name_words: list[str], split: str) -> dict[str, tuple[list, list]]:
-    """Per entity type: (first pieces, remainders) of its `split` names, e.g. ("Jaros", "ville"), ("Ada", " Bo")."""
-    longest_first = sorted(name_words, key=len, reverse=True)
-    heads: dict[str, set[str]] = {}
-    rests: dict[str, set[str]] = {}
-    for name, entity in world_meta.items():
-        if entity["split"] != split or entity["type"] not in _TYPE_CUE:
-            continue
-        head = next((w for w in longest_first if name.startswith(w) and len(w) < len(name)), None)
-        if head is not None:
-            heads.setdefault(entity["type"], set()).add(head)
-            rests.setdefault(entity["type"], set()).add(name[len(head) :])
-    return {kind: (sorted(heads[kind]), sorted(rests[kind])) for kind in heads}
-
-
-def _fresh_name(rng: random.Random, heads: list[str], rests: list[str], taken: set[str]) -> str:
-    """A random head + remainder that is not the name of an entity in `taken` (another split's)."""
-    for _ in range(100):
-        name = rng.choice(heads) + rng.choice(rests)
-        if name not in taken:
-            return name
-    raise ValueError("recall_examples: every name combination belongs to another split; enlarge the name pools")

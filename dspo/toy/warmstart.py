@@ -9,10 +9,16 @@ Demonstrations are rendered by the real agent loop (`SearchAgent` + `ScriptedEng
 the SFT sequences are token for token what RL rollouts will look like (same template, same tool-turn wrappers, same
 observation format), and the loss covers exactly the mask-1 (model-generated) tokens.
 
-Two stages: name-recall drills (`recall_examples`) first, because copying a name from a passage is the skill whole
-demonstrations fail to teach in the time budget; then the demonstrations, with copied name pieces weighted up.
-Both use only the world's `demo` split (see `dspo.toy.world`): RL's training questions stay as new to the
-warm-started model as validation ones.
+Two stages: name-recall drills (`recall_examples`, a curriculum of 1, 2, then 4 names per drill) first, because
+copying a name from a passage is the skill whole demonstrations fail to teach in the time budget; then the
+demonstrations, with copied name pieces weighted up, over the demo split and `demo_renamings` copies of it with every
+demo entity renamed at random (`dspo.toy.renaming`), so that memorized name completions never pay. Demonstrations use
+only the world's `demo` entities (see `dspo.toy.world`): RL's training questions stay as new to the warm-started model
+as validation ones. `early_stop_share` makes a share of the 2-hop demonstrations answer after the first search, the
+under-searching of instruct models on multi-hop questions that Search-R1-style RL corrects.
+
+The repository ships the result for the default config (`data/toy_warmstart`, rebuilt by `python -m
+dspo.toy.rebuild`); `prepare_toy_default` adopts it when the manifests match (`dspo.toy.shipped`).
 
 Everything is cached: `prepare_toy_default` reuses a world, tokenizer and model whose manifests match the config.
 """
@@ -21,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import re
 import time
@@ -29,7 +34,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from dspo.data.qa import load_qa
 from dspo.rollout.agent import AgentConfig, SearchAgent
@@ -37,11 +41,23 @@ from dspo.rollout.engine import HFEngine
 from dspo.rollout.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
 from dspo.rollout.scripted import ScriptedEngine
 from dspo.search.bm25 import BM25Index, build_or_load_index
+from dspo.search.corpus import load_corpus
 from dspo.toy.demos import make_script
-from dspo.toy.drills import Example, recall_examples
+from dspo.toy.drills import recall_examples
 from dspo.toy.model import build_tiny_model
+from dspo.toy.renaming import fresh_names, renamed_world
+from dspo.toy.sft import demo_examples, train_sft
+from dspo.toy.shipped import adopt_shipped
 from dspo.toy.tokenizer import load_tokenizer, train_tokenizer
-from dspo.toy.world import SPLITS, ToyWorldConfig, ToyWorldFiles, build_toyworld, load_name_words, load_world_meta
+from dspo.toy.world import (
+    SPLITS,
+    ToyWorldConfig,
+    ToyWorldFiles,
+    build_toyworld,
+    load_name_words,
+    load_world_meta,
+    name_pieces,
+)
 from dspo.types import QAItem, Trajectory
 
 MANIFEST = "warmstart_manifest.json"
@@ -59,13 +75,21 @@ class WarmStartConfig:
 
     seed: int = 0
     imperfect_share: float = 0.3
+    # 2-hop demonstrations that answer after the first search (the intermediate entity), as instruct models often
+    # stop searching too early on multi-hop questions. Above 0.5, greedy decoding stops early, sampling does not always:
+    # RL has to learn the second hop from the groups where it was taken.
+    early_stop_share: float = 0.0
     num_demos: int | None = None  # None = every demo-split question (entities RL and evaluation never see)
+    # extra copies of the demonstrations with every demo entity renamed at random (dspo.toy.renaming): without them
+    # the model recalled memorized name completions instead of copying names from passages (measured)
+    demo_renamings: int = 7
     hidden_size: int = 192
     num_layers: int = 3
     num_heads: int = 3
     num_kv_heads: int = 1
     intermediate_size: int = 512
-    recall_steps: int = 800  # stage 1: synthetic name-recall drills that form the copy circuit (recall_examples)
+    # stage 1: synthetic name-recall drills that form the copy circuit (recall_examples), as [names per drill, steps]
+    recall_curriculum: list = field(default_factory=lambda: [[1, 200], [2, 200], [4, 400]])
     recall_batch_size: int = 64
     steps: int = 1200  # stage 2: whole trajectories
     batch_size: int = 8
@@ -120,8 +144,11 @@ def tokenizer_texts(world: ToyWorldFiles) -> list[str]:
     return texts
 
 
-def build_toy_tokenizer(world: ToyWorldFiles, output_dir: str, vocab_size: int = 1024) -> str:
+def build_toy_tokenizer(
+    world: ToyWorldFiles, output_dir: str, vocab_size: int = 1024, shipped: str | None = None
+) -> str:
     """Train (or reuse, when its manifest matches this world and size) the toy tokenizer; returns its directory.
+    `shipped`: a folder holding a tokenizer built the same way (dspo.toy.shipped), copied in when its manifest matches.
 
     The world's name words are one id each (shared by all splits), so an unseen validation name is a new combination
     of trained ids and copying it is copying 1-3 ids."""
@@ -129,6 +156,8 @@ def build_toy_tokenizer(world: ToyWorldFiles, output_dir: str, vocab_size: int =
     key = {"world": _file_digest(world.corpus) + _file_digest(world.demo), "vocab_size": vocab_size, "version": 3}
     manifest = _read_manifest(out / "dspo_tokenizer.json")
     if manifest == key and (out / "tokenizer.json").is_file():
+        return str(out)
+    if adopt_shipped(shipped, out, "dspo_tokenizer.json", lambda recorded: recorded == key):
         return str(out)
     train_tokenizer(tokenizer_texts(world), str(out), vocab_size=vocab_size, words=load_name_words(world))
     (out / "dspo_tokenizer.json").write_text(json.dumps(key))
@@ -152,11 +181,12 @@ def render_demonstrations(
     imperfect_share: float,
     seed: int = 0,
     agent_overrides: dict | None = None,
+    early_stop_share: float = 0.0,
 ) -> list[Trajectory]:
     """One scripted trajectory per item, rendered by `SearchAgent` with a `ScriptedEngine` (exact ids and masks)."""
     rng = random.Random(seed)
     tag_format = (agent_overrides or {}).get("tag_format", "qwen")
-    scripts = [make_script(item, world_meta, rng, imperfect_share, tag_format) for item in items]
+    scripts = [make_script(item, world_meta, rng, imperfect_share, tag_format, early_stop_share) for item in items]
 
     def script(prompt_text: str, turn: int, index: int) -> str:
         return scripts[index](observations_in(prompt_text))
@@ -168,106 +198,20 @@ def render_demonstrations(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# SFT loop
-
-
-def demo_examples(
-    trajectories: list[Trajectory], context_weight: float, name_ids: set[int] = frozenset(), name_weight: float = 1.0
-) -> list[Example]:
-    """Whole trajectories: weight 1 on mask-1 tokens (`name_weight` on those in `name_ids`), `context_weight` on
-    environment tokens, 0 on the prompt."""
-
-    def weight(token: int, mask: int) -> float:
-        if not mask:
-            return context_weight
-        return name_weight if token in name_ids else 1.0
-
-    return [
-        (
-            t.prompt_ids + t.response_ids,
-            [0.0] * len(t.prompt_ids) + [weight(tok, m) for tok, m in zip(t.response_ids, t.response_mask)],
-        )
-        for t in trajectories
-    ]
-
-
-def _batches(examples: list[Example], batch_size: int, rng: random.Random) -> list[list[int]]:
-    """Indices grouped by similar length (little padding), in a shuffled batch order."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
-def _collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids [B, L], attention_mask [B, L], loss weights [B, L], right-padded."""
-    width = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(examples), width), dtype=torch.long)
-    weights = torch.zeros((len(examples), width), dtype=torch.float32)
-    for row, (seq, weight) in enumerate(examples):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attention[row, : len(seq)] = 1
-        weights[row, : len(seq)] = torch.tensor(weight, dtype=torch.float32)
-    return ids, attention, weights
-
-
-def sft_loss(
-    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, loss_mask: torch.Tensor
-) -> torch.Tensor:
-    """Weighted mean next-token cross-entropy; `loss_mask` weighs each *target* token (1 = model-generated)."""
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # [B, L-1, V]
-    targets, weights = ids[:, 1:], loss_mask[:, 1:]
-    nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # [B, L-1]
-    return (nll * weights).sum() / weights.sum().clamp(min=1.0)
-
-
-def train_sft(
-    model: torch.nn.Module, stages: list[tuple[list[Example], int, int]], pad_id: int, config: WarmStartConfig
-) -> list[float]:
-    """AdamW, linear warm-up then cosine decay over all stages; `stages` = [(examples, steps, batch_size)] run in
-    order. Returns the loss per step."""
-    rng = random.Random(config.seed)
-    total = sum(steps for _, steps, _ in stages)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-    def lr_at(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    model.train()
-    losses: list[float] = []
-    bar = tqdm(total=total, desc="warm start (SFT)", dynamic_ncols=True, mininterval=2.0)
-    for examples, steps, batch_size in stages:
-        queue: list[list[int]] = []
-        for _ in range(steps):
-            if not queue:
-                queue = _batches(examples, batch_size, rng)
-            loss = sft_loss(model, *_collate([examples[i] for i in queue.pop()], pad_id))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-    bar.close()
-    model.eval()
-    return losses
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Entry points
 
 
-def warm_start(output_dir: str, world: ToyWorldFiles, tokenizer_dir: str, config: WarmStartConfig | None = None) -> str:
+def warm_start(
+    output_dir: str,
+    world: ToyWorldFiles,
+    tokenizer_dir: str,
+    config: WarmStartConfig | None = None,
+    shipped: str | None = None,
+) -> str:
     """Build the tiny model, fine-tune it on rendered demonstrations, save model + tokenizer; returns `output_dir`.
 
-    Skipped entirely when `output_dir/warmstart_manifest.json` records the same config, world and tokenizer.
+    Skipped entirely when `output_dir/warmstart_manifest.json` records the same config, world and tokenizer, or when
+    the folder `shipped` (dspo.toy.shipped) does: it is then copied in.
     """
     config = config or WarmStartConfig()
     out = Path(output_dir)
@@ -278,6 +222,8 @@ def warm_start(output_dir: str, world: ToyWorldFiles, tokenizer_dir: str, config
     }
     manifest = _read_manifest(out / MANIFEST)
     if manifest is not None and manifest.get("key") == key and (out / "config.json").is_file():
+        return str(out)
+    if adopt_shipped(shipped, out, MANIFEST, lambda recorded: recorded.get("key") == key):
         return str(out)
     (out / MANIFEST).unlink(missing_ok=True)  # written last: an interrupted run never looks finished
     start = time.perf_counter()
@@ -301,17 +247,32 @@ def warm_start(output_dir: str, world: ToyWorldFiles, tokenizer_dir: str, config
     items = load_qa(world.demo, benchmark="toy", limit=config.num_demos)
     retriever = toy_retriever(world)
     world_meta = load_world_meta(world)
+    words, pieces = load_name_words(world), name_pieces(world)
     demos = render_demonstrations(
-        items, world_meta, tokenizer, retriever, config.imperfect_share, config.seed, config.agent
+        items,
+        world_meta,
+        tokenizer,
+        retriever,
+        config.imperfect_share,
+        config.seed,
+        config.agent,
+        config.early_stop_share,
     )
+    passages = load_corpus(world.corpus)
+    rng = random.Random(config.seed)
+    for copy in range(config.demo_renamings):  # the same demo facts under fresh names (dspo.toy.renaming)
+        meta, index, renamed = renamed_world(world_meta, passages, items, fresh_names(world_meta, pieces, rng))
+        demos += render_demonstrations(
+            renamed, meta, tokenizer, index, config.imperfect_share, config.seed + 1 + copy, config.agent,
+            config.early_stop_share,
+        )  # fmt: skip
     rendered = time.perf_counter()
-    name_ids = set(tokenizer.convert_tokens_to_ids(load_name_words(world)))
+    name_ids = set(tokenizer.convert_tokens_to_ids(words))
     stages = [
-        (
-            recall_examples(tokenizer, world_meta, load_name_words(world), 8192, config.seed),
-            config.recall_steps,
-            config.recall_batch_size,
-        ),
+        (recall_examples(tokenizer, pieces, 8192, config.seed + k, names), steps, config.recall_batch_size)
+        for k, (names, steps) in enumerate(config.recall_curriculum)
+    ]
+    stages += [
         (
             demo_examples(demos, config.context_loss_weight, name_ids, config.name_loss_weight),
             config.steps,
@@ -357,16 +318,20 @@ def prepare_toy_default(
     world_config: ToyWorldConfig | None = None,
     vocab_size: int = 1024,
     config: WarmStartConfig | None = None,
+    shipped: str | None = None,
 ) -> tuple[ToyWorldFiles, str]:
     """World + tokenizer + warm-started model under `root` (each step cached); returns (world files, model dir).
 
     `vocab_size` counts the name words (one id each, see `build_toy_tokenizer`); the rest goes to BPE merges.
+    `shipped`: a folder with `tokenizer/` and `model/` built by `python -m dspo.toy.rebuild` (the repository carries
+    one, `data/toy_warmstart`); each is copied in instead of built when its manifest matches. None = always build.
     """
     world_config = world_config or ToyWorldConfig()
     base = Path(root)
     # fixed sub-directories (root/world, root/tokenizer, root/model): the train configs point at them; each step's
     # manifest rebuilds its output when its inputs change
     world = build_toyworld(str(base / "world"), world_config)
-    tokenizer_dir = build_toy_tokenizer(world, str(base / "tokenizer"), vocab_size)
-    model_dir = warm_start(str(base / "model"), world, tokenizer_dir, config)
+    ship = Path(shipped) if shipped else None
+    tokenizer_dir = build_toy_tokenizer(world, str(base / "tokenizer"), vocab_size, ship and str(ship / "tokenizer"))
+    model_dir = warm_start(str(base / "model"), world, tokenizer_dir, config, ship and str(ship / "model"))
     return world, model_dir

@@ -26,8 +26,9 @@ from pathlib import Path
 
 from dspo.metrics import normalize_answer
 
-FORMAT_VERSION = 5  # bump when the generated text changes, so cached worlds are rebuilt
+FORMAT_VERSION = 6  # bump when the generated text changes, so cached worlds are rebuilt
 SPLITS = ("train", "val", "test", "demo")  # demo: entities only the warm-start demonstrations use
+HOP_SPLITS = ("val", "test")  # also written per question type (val_1hop.jsonl, ...): benchmarks toy_1hop / toy_2hop
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr", "v"]
 _ONSETS += ["z", "th", "sh", "j", "h"]
@@ -118,7 +119,7 @@ class ToyWorldFiles:
     corpus: str
     meta: str
     demo: str = ""  # demo.jsonl: questions over the demo entities (warm-start demonstrations only)
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # "val_1hop", "test_2hop", ...: the HOP_SPLITS per question type
 
 
 def config_hash(config: ToyWorldConfig) -> str:
@@ -286,10 +287,12 @@ def _questions(ents: dict, rng: random.Random, split: str, n_total: int, hop2_fr
     return [{"id": q["id"], **{k: v for k, v in q.items() if k != "id"}} for q in out]
 
 
-def generate_world(config: ToyWorldConfig) -> tuple[dict[str, dict], list[dict], dict[str, list[dict]], list[str]]:
-    """Pure generation (no files): (entities by name, corpus rows, questions per split, name words). Deterministic in
-    the seed. The name words (the shared pools) are what every entity name is built from; the toy tokenizer makes each
-    of them one id."""
+def generate_world(
+    config: ToyWorldConfig,
+) -> tuple[dict[str, dict], list[dict], dict[str, list[dict]], list[str], dict[str, list[str]]]:
+    """Pure generation (no files): (entities by name, corpus rows, questions per split, name words, name pools).
+    Deterministic in the seed. The name words (the shared pools, by slot: first, last, city, ...) are what every entity
+    name is built from; the toy tokenizer makes each of them one id."""
     rng = random.Random(config.seed)
     namer = _Namer(rng, config.name_pool_size)
     ents: dict[str, dict] = {}
@@ -302,7 +305,7 @@ def generate_world(config: ToyWorldConfig) -> tuple[dict[str, dict], list[dict],
     split_ents = {s: {k: v for k, v in ents.items() if v["split"] == s} for s in SPLITS}
     qa = {s: _questions(split_ents[s], rng, s, sizes[s], config.hop2_fraction) for s in SPLITS}
     words = sorted({w for pool in namer.pools.values() for w in pool})
-    return ents, corpus, qa, words
+    return ents, corpus, qa, words, namer.pools
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -314,6 +317,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def _files(root: Path) -> ToyWorldFiles:
+    per_hop = {f"{s}_{h}hop": str(root / f"{s}_{h}hop.jsonl") for s in HOP_SPLITS for h in (1, 2)}
     return ToyWorldFiles(
         root=str(root),
         train=str(root / "train.jsonl"),
@@ -322,6 +326,7 @@ def _files(root: Path) -> ToyWorldFiles:
         corpus=str(root / "corpus.jsonl"),
         meta=str(root / "world.json"),
         demo=str(root / "demo.jsonl"),
+        extra=per_hop,
     )
 
 
@@ -335,17 +340,22 @@ def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwr
     files = _files(root)
     manifest = root / "manifest.json"
     digest = config_hash(config)
-    paths = [files.train, files.val, files.test, files.demo, files.corpus, files.meta]
+    paths = [files.train, files.val, files.test, files.demo, files.corpus, files.meta, *files.extra.values()]
     cached = not overwrite and manifest.exists() and all(Path(p).exists() for p in paths)
     if cached and json.loads(manifest.read_text()).get("config_hash") == digest:
         return files
     root.mkdir(parents=True, exist_ok=True)
     manifest.unlink(missing_ok=True)  # written last: a crash mid-build never leaves a valid-looking cache
-    ents, corpus, qa, words = generate_world(config)
+    ents, corpus, qa, words, pools = generate_world(config)
     for split in SPLITS:
         _write_jsonl(Path(getattr(files, split)), qa[split])
+    for split in HOP_SPLITS:  # the same questions, one file per question type (1-hop, 2-hop)
+        for hops in (1, 2):
+            rows = [q for q in qa[split] if q["metadata"]["hops"] == hops]
+            _write_jsonl(Path(files.extra[f"{split}_{hops}hop"]), rows)
     _write_jsonl(Path(files.corpus), corpus)
-    Path(files.meta).write_text(json.dumps({"entities": ents, "name_words": words}, ensure_ascii=False))
+    meta = {"entities": ents, "name_words": words, "name_pools": pools}
+    Path(files.meta).write_text(json.dumps(meta, ensure_ascii=False))
     stats = {s: len(qa[s]) for s in SPLITS} | {"passages": len(corpus)}
     manifest.write_text(json.dumps({"config_hash": digest, "config": asdict(config), "stats": stats}, indent=2))
     return files
@@ -362,6 +372,17 @@ def load_world_meta(files: ToyWorldFiles | str) -> dict[str, dict]:
 def load_name_words(files: ToyWorldFiles) -> list[str]:
     """The invented words every entity name is built from (world.json `name_words`), sorted."""
     return json.loads(Path(files.meta).read_text())["name_words"]
+
+
+def name_pieces(files: ToyWorldFiles) -> dict[str, tuple[list[str], list[str]]]:
+    """Per entity type: (first pieces, remainders) any name of that type is built from, e.g. city: (every city stem,
+    ["burg", "ton", ...]), person: (every first name, [" " + every last name]). Random combinations of them are
+    well-formed names (dspo.toy.drills, dspo.toy.renaming); most are no entity of the world."""
+    pools = json.loads(Path(files.meta).read_text())["name_pools"]
+    pieces = {"person": (pools["first"], [" " + w for w in pools["last"]])}
+    for kind in ("city", "country", "company", "river", "landmark"):
+        pieces[kind] = (pools[kind], list(_SUFFIX[kind]))
+    return {kind: (sorted(heads), sorted(rests)) for kind, (heads, rests) in pieces.items()}
 
 
 def answer_in_text(answer: str, text: str) -> bool:

@@ -149,6 +149,7 @@ def test_rollout_statistics_are_exact():
     assert stats["rollout/groups_sampled"] == sampled and stats["rollout/groups_kept"] == target
     assert stats["rollout/keep_rate"] == pytest.approx(len(passed) / sampled)
     assert stats["rollout/wasted_token_share"] == pytest.approx(1 - target / sampled)  # 2 tokens per trajectory
+    assert stats["rollout/generated_tokens"] == 2 * trajectories  # filtered-out groups count: they cost compute
     assert stats["rollout/search_calls_mean"] == pytest.approx(sum(n * n for n in calls) / sum(calls))
     assert stats["rollout/invalid_calls"] == 2.0 * len(calls)
     rewards = sum(group_size / 2 if i % 3 == 0 else group_size for i in ids)

@@ -19,7 +19,7 @@ CFG.num_train, CFG.num_val, CFG.num_test, CFG.num_demo = 100, 40, 40, 80
 
 @pytest.fixture(scope="module")
 def setup():
-    ents, corpus, qa, _ = generate_world(CFG)
+    ents, corpus, qa, _, _ = generate_world(CFG)
     passages = []
     for row in corpus:
         title, text = row["contents"].split("\n", 1)
@@ -88,3 +88,13 @@ def test_imperfect_share(setup) -> None:
     assert all(choose_kind(rng, 0.0, 1) == CORRECT for _ in range(50))
     with pytest.raises(ValueError, match="imperfect_share"):
         choose_kind(rng, 1.5, 1)
+
+
+def test_early_stop_share_applies_to_multi_hop_questions_only() -> None:
+    rng = random.Random(0)
+    one_hop = [choose_kind(rng, 0.0, 1, early_stop_share=0.6) for _ in range(1000)]
+    two_hop = [choose_kind(rng, 0.0, 2, early_stop_share=0.6) for _ in range(1000)]
+    assert set(one_hop) == {CORRECT}
+    assert set(two_hop) == {CORRECT, "wrong_hop"} and 0.55 < two_hop.count("wrong_hop") / 1000 < 0.65
+    with pytest.raises(ValueError, match="early_stop_share"):
+        choose_kind(rng, 0.0, 2, early_stop_share=-0.1)

@@ -25,7 +25,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> str:
-    _, corpus, qa, words = generate_world(ToyWorldConfig(num_train=300, num_val=50, num_test=50, num_demo=300))
+    _, corpus, qa, words, _ = generate_world(ToyWorldConfig(num_train=300, num_val=50, num_test=50, num_demo=300))
     texts = [c["contents"] for c in corpus] + [q["question"] for q in qa["train"]]
     out = tmp_path_factory.mktemp("tok")
     tk.train_tokenizer(texts, str(out), vocab_size=1024, words=words + ["Zorblax", "Kofa"])

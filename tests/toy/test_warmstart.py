@@ -12,13 +12,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspo.data.qa import load_qa
 from dspo.toy.demos import CORRECT, make_script
+from dspo.toy.sft import sft_loss
 from dspo.toy.tokenizer import load_tokenizer
 from dspo.toy.warmstart import (
     MANIFEST,
     WarmStartConfig,
     observations_in,
     render_demonstrations,
-    sft_loss,
     toy_retriever,
     warm_start,
 )
@@ -26,7 +26,7 @@ from dspo.toy.world import load_world_meta
 
 SMALL = WarmStartConfig(
     num_demos=16, hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128, steps=3, batch_size=4,
-    recall_steps=3, recall_batch_size=4, warmup_steps=1,
+    recall_curriculum=[[1, 2], [2, 1]], recall_batch_size=4, warmup_steps=1,
 )  # fmt: skip
 
 

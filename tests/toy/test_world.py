@@ -53,6 +53,14 @@ def test_formats_and_sizes(world) -> None:
     assert all(set(c) == {"id", "contents"} and c["contents"].startswith('"') for c in corpus)
 
 
+def test_val_and_test_are_split_by_question_type(world) -> None:
+    for split in ("val", "test"):
+        rows = _rows(getattr(world, split))
+        one, two = (_rows(world.extra[f"{split}_{hops}hop"]) for hops in (1, 2))
+        assert {r["metadata"]["hops"] for r in one} == {1} and {r["metadata"]["hops"] for r in two} == {2}
+        assert sorted(r["id"] for r in one + two) == sorted(r["id"] for r in rows)  # the same questions, regrouped
+
+
 def test_splits_use_disjoint_entities(world) -> None:
     meta = load_world_meta(world)
     used = {s: set() for s in SPLITS}

@@ -1,0 +1,227 @@
+"""The ablation report: algorithms compared over seeds, with confidence intervals, compute-matched curves, collapses
+and what the sequence clip did. Reads runs with `dspo.analysis`.
+
+    python -m dspo.ablation outputs/multirun/<timestamp> [--json bench/results/ablation.json] [--figure PATH]
+
+Definitions (stated in the README next to the numbers):
+- final value: a run's last logged `val/...` (the step-`max_steps` validation) or its `test/...` value;
+- 95 % confidence interval: mean ± t(0.975, n-1) · s / sqrt(n) over seeds (Student t, s with ddof=1);
+- collapsed run: its final `val/subem_mean` is more than `COLLAPSE_DROP` below its own step-0 value (training made the
+  warm start worse), or its sampled reward over the last fifth of the rounds is under half that of the first fifth;
+- compute-matched curves: validation scores against `rollout/generated_tokens_total`, every token sampled so far
+  (groups the filter dropped included), linearly interpolated onto a common token grid per algorithm;
+- clip activity: `loss/clipfrac` and the spread `loss/ratio_min`..`loss/ratio_max` per position of the optimizer step
+  in its round (0 = first mini-batch, on-policy, ratio exactly 1; later ones are off-policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dspo.analysis import RunInfo, find_runs, load_scalars
+
+COLLAPSE_DROP = 0.05
+TOKEN_CURVE_COLUMNS = ["algorithm", "tokens", "mean", "std", "n"]
+# Student t quantiles t(0.975, df), df = 1..30 (standard table values); larger df use 1.96
+_T975 = [
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+    2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+]  # fmt: skip
+
+
+def ci95(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95 % Student-t interval); half-width NaN for fewer than 2 values."""
+    data = [float(v) for v in values if not math.isnan(float(v))]
+    if not data:
+        return math.nan, math.nan
+    mean = sum(data) / len(data)
+    if len(data) < 2:
+        return mean, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in data) / (len(data) - 1))
+    df = len(data) - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    return mean, t * sd / math.sqrt(len(data))
+
+
+def _series(scalars: pd.DataFrame, tag: str) -> pd.Series:
+    rows = scalars[scalars["tag"] == tag]
+    return pd.Series(rows["value"].to_numpy(), index=rows["step"].to_numpy(), dtype="float64")
+
+
+def run_record(run: RunInfo) -> dict[str, float | str | int | bool | None]:
+    """One run's numbers: step-0 and final validation, test, sampled reward, tokens, collapse."""
+    scalars = load_scalars(run.dir)
+    val = _series(scalars, "val/subem_mean")
+    reward = _series(scalars, "rollout/sampled_reward_mean")
+    tokens = _series(scalars, "rollout/generated_tokens_total")
+    record: dict[str, float | str | int | bool | None] = {"algorithm": run.algorithm, "seed": run.seed}
+    record["val_start"] = float(val.loc[0]) if 0 in val.index else math.nan
+    record["val_final"] = float(val.iloc[-1]) if len(val) else math.nan
+    for tag in sorted(set(scalars["tag"])):
+        if tag.startswith(("val/", "test/")) and tag.endswith("subem") or tag == "test/subem_mean":
+            series = _series(scalars, tag)
+            record[f"{tag}@final"] = float(series.iloc[-1])
+            if tag.startswith("val/") and 0 in series.index:
+                record[f"{tag}@0"] = float(series.loc[0])
+    record["sampled_reward_mean"] = float(reward.mean()) if len(reward) else math.nan
+    record["generated_tokens"] = float(tokens.iloc[-1]) if len(tokens) else math.nan
+    record["collapsed"] = collapsed(val, reward)
+    return record
+
+
+def collapsed(val: pd.Series, reward: pd.Series) -> bool:
+    """See the module docstring: ended below its own start, or the sampled reward halved."""
+    if 0 in val.index and len(val) > 1 and val.iloc[-1] < val.loc[0] - COLLAPSE_DROP:
+        return True
+    fifth = len(reward) // 5
+    if fifth >= 1:
+        first, last = reward.iloc[:fifth].mean(), reward.iloc[-fifth:].mean()
+        return bool(first > 0 and last < 0.5 * first)
+    return False
+
+
+def summary(records: Sequence[dict]) -> pd.DataFrame:
+    """One row per algorithm: n, and mean / 95 % half-width of each final metric, gains, collapses."""
+    frame = pd.DataFrame.from_records(records)
+    metrics = [c for c in frame.columns if c.endswith("@final") or c.endswith("@0")]
+    metrics += ["val_start", "val_final", "sampled_reward_mean", "generated_tokens"]
+    frame["val_gain"] = frame["val_final"] - frame["val_start"]
+    rows = []
+    for algorithm, group in frame.groupby("algorithm", sort=True):
+        row: dict[str, float | int | str] = {"algorithm": algorithm, "n": len(group)}
+        for metric in [*metrics, "val_gain"]:
+            mean, half = ci95(group[metric].tolist())
+            row[metric], row[f"{metric}±"] = mean, half
+        row["collapsed"] = int(group["collapsed"].sum())
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("algorithm")
+
+
+def curves_vs_tokens(runs: Sequence[RunInfo], tag: str = "val/subem_mean", points: int = 20) -> pd.DataFrame:
+    """Per algorithm: mean and std of `tag` against generated tokens, each run interpolated onto a shared grid (up to
+    the smallest final token count among the algorithm's runs, so every point averages all runs)."""
+    frames = []
+    for algorithm in sorted({r.algorithm for r in runs}):
+        pairs = []
+        for run in (r for r in runs if r.algorithm == algorithm):
+            scalars = load_scalars(run.dir)
+            values, tokens = _series(scalars, tag), _series(scalars, "rollout/generated_tokens_total")
+            if values.empty or tokens.empty:
+                continue
+            # tokens sampled before the validation after `step` updates: rounds start at x = updates so far, so the
+            # rounds that fed those updates are the ones logged at x < step
+            x = np.array([_last_before(tokens, step) for step in values.index])
+            pairs.append((x, values.to_numpy()))
+        if not pairs:
+            continue
+        grid = np.linspace(0.0, min(x[-1] for x, _ in pairs), points)
+        table = np.stack([np.interp(grid, x, y) for x, y in pairs])
+        std = table.std(0, ddof=1) if len(pairs) > 1 else 0.0
+        frame = {"algorithm": algorithm, "tokens": grid, "mean": table.mean(0), "std": std, "n": len(pairs)}
+        frames.append(pd.DataFrame(frame))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TOKEN_CURVE_COLUMNS)
+
+
+def _last_before(series: pd.Series, step: int) -> float:
+    earlier = series[series.index < step]
+    return float(earlier.iloc[-1]) if len(earlier) else 0.0
+
+
+def clip_activity(run: RunInfo, minibatches: int) -> pd.DataFrame:
+    """Per position of the step in its round: mean clipfrac, mean ratio_min / ratio_max, steps counted."""
+    scalars = load_scalars(run.dir)
+    rows = []
+    clip = _series(scalars, "loss/clipfrac")
+    low, high = _series(scalars, "loss/ratio_min"), _series(scalars, "loss/ratio_max")
+    for position in range(minibatches):
+        steps = [s for s in clip.index if s % minibatches == position]  # train metrics of update k are logged at k-1
+        lows, highs = low.reindex(steps), high.reindex(steps)
+        rows.append(
+            {
+                "position": position,
+                "steps": len(steps),
+                "clipfrac": clip.loc[steps].mean(),
+                "ratio_min": lows.mean(),
+                "ratio_max": highs.mean(),
+                "ratio_min_lowest": lows.min(),
+                "ratio_max_highest": highs.max(),
+            }
+        )
+    return pd.DataFrame(rows).set_index("position")
+
+
+def plot_ablation(runs: Sequence[RunInfo], path: str | Path | None = None):
+    """Four panels: validation subEM (mean of benchmarks) vs steps and vs generated tokens, 2-hop validation vs steps,
+    sampled reward vs steps. Mean ± std over seeds. Returns the Figure; saves a PNG to `path` when given."""
+    from matplotlib.figure import Figure
+
+    from dspo.analysis import curves
+
+    fig = Figure(figsize=(13, 8), layout="constrained")
+    axes = fig.subplots(2, 2).reshape(-1)
+    algorithms = sorted({r.algorithm for r in runs})
+    colors = {a: f"C{i}" for i, a in enumerate(algorithms)}
+    panels = [
+        ("val/subem_mean", "step"),
+        ("val/subem_mean", "tokens"),
+        ("val/toy_2hop/subem", "step"),
+        ("rollout/sampled_reward_mean", "step"),
+    ]
+    for ax, (tag, axis) in zip(axes, panels, strict=True):
+        smoothing = 0.6 if tag.startswith("rollout") else 0.0
+        frame = curves_vs_tokens(runs, tag) if axis == "tokens" else curves(runs, tag, smoothing=smoothing)
+        x = "tokens" if axis == "tokens" else "step"
+        for algorithm, group in frame.groupby("algorithm", sort=True):
+            label = f"{algorithm} (n={int(group['n'].max())})"
+            ax.plot(group[x], group["mean"], color=colors[algorithm], label=label)
+            low, high = group["mean"] - group["std"], group["mean"] + group["std"]
+            ax.fill_between(group[x], low, high, color=colors[algorithm], alpha=0.15)
+        ax.set_title(f"{tag} vs {'generated tokens' if axis == 'tokens' else 'optimizer steps'}", fontsize=10)
+        ax.set_xlabel("generated tokens (all sampled)" if axis == "tokens" else "step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def report(sweep: str | Path, minibatches: int = 2) -> dict:
+    """Everything the README's ablation section shows, as plain JSON-able data."""
+    runs = find_runs(sweep)
+    records = [run_record(run) for run in runs]
+    table = summary(records)
+    clip = {
+        algorithm: clip_activity(next(r for r in runs if r.algorithm == algorithm), minibatches).to_dict("index")
+        for algorithm in sorted({r.algorithm for r in runs})
+    }
+    return {"runs": records, "summary": json.loads(table.to_json(orient="index")), "clip_activity": clip}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dspo.ablation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", help="a multirun folder (or any folder holding dspo runs)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--figure", default=None, help="write the four-panel figure here (PNG)")
+    parser.add_argument("--minibatches", type=int, default=2, help="algorithm.num_minibatches of the runs")
+    args = parser.parse_args(argv)
+    result = report(args.sweep, args.minibatches)
+    columns = ["n", "val_start", "val_final", "val_gain", "test/subem_mean@final", "collapsed"]
+    table = pd.DataFrame(result["summary"]).T
+    print(table[[c for c in columns if c in table.columns]].to_string())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=float) + "\n")
+    if args.figure:
+        plot_ablation(find_runs(args.sweep), args.figure)
+
+
+if __name__ == "__main__":
+    main()

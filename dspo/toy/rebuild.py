@@ -1,0 +1,120 @@
+"""Rebuild the shipped warm start (`data/toy_warmstart/`) from scratch, and measure what a warm start can do.
+
+    python -m dspo.toy.rebuild                       # world + tokenizer + SFT into a temp folder, measure, ship
+    python -m dspo.toy.rebuild --output DIR          # ship somewhere else (the tests rebuild into a temp folder)
+    python -m dspo.toy.rebuild --report MODEL_DIR    # only measure a model folder (shipped or rebuilt)
+    python -m dspo.toy.rebuild -- prepare.toyworld.config.steps=2000   # Hydra overrides of the train config
+
+It composes the train config (so the world, vocabulary, warm-start recipe and agent settings are the ones
+`dspo-train` uses), builds everything with `shipped=None`, measures the model and writes `tokenizer/`, `model/` and
+`report.json` to the output. The report holds, per question type (1-hop, 2-hop):
+- `train_sampled`: the share of sampled trajectories that answer *training* questions (entities the warm start never
+  saw) at the RL temperature, G per question: the rate at which RL's groups will be mixed;
+- `val_greedy`: greedy subEM on the validation questions (what step 0 of a run's validation logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from dspo.resources import data_dir
+
+SHIPPED = "toy_warmstart"
+
+
+def compose_train(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from dspo.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=["output_dir=/tmp", *overrides])
+
+
+def rebuild(workdir: str, overrides: list[str]) -> tuple[object, str]:
+    """Build world, tokenizer and warm start under `workdir` without adopting anything shipped; (world, model dir)."""
+    from hydra.utils import instantiate
+
+    cfg = compose_train([f"paths.toy_root={workdir}", "prepare.toyworld.shipped=null", *overrides])
+    return instantiate(cfg.prepare.toyworld)
+
+
+def measure(model_dir: str, world, overrides: list[str], questions: int = 200, group_size: int = 5) -> dict:
+    """Per question type: sampled success on `questions` train questions (G=`group_size`, the RL temperature, vLLM)
+    and greedy subEM on the validation questions. Deterministic for a given machine (seeded engine)."""
+    from hydra.utils import instantiate
+
+    from dspo.data.qa import load_qa
+    from dspo.rollout.agent import SearchAgent
+    from dspo.toy.tokenizer import load_tokenizer
+    from dspo.toy.warmstart import toy_retriever
+
+    cfg = compose_train(overrides)
+    engine = instantiate(cfg.rollout.engine)(model_path=model_dir)
+    agent = SearchAgent(engine, load_tokenizer(model_dir), toy_retriever(world), instantiate(cfg.rollout.agent))
+    report: dict[str, dict[str, float]] = {"train_sampled": {}, "val_greedy": {}, "train_mixed_groups": {}}
+    train = load_qa(world.train, benchmark="toy", limit=questions)
+    rewards, mixed = defaultdict(list), defaultdict(list)
+    for group in agent.rollout(train, group_size=group_size, policy_version=0, seed=1234):
+        values = [t.reward for t in group.trajectories]
+        rewards[group.item.metadata["hops"]] += values
+        mixed[group.item.metadata["hops"]].append(0 < sum(values) < len(values))
+    val = load_qa(world.val, benchmark="toy")
+    greedy = defaultdict(list)
+    for group in agent.rollout(val, group_size=1, policy_version=0, greedy=True):
+        greedy[group.item.metadata["hops"]].append(group.trajectories[0].reward)
+    for hops in sorted(rewards):
+        report["train_sampled"][f"{hops}hop"] = round(sum(rewards[hops]) / len(rewards[hops]), 4)
+        report["train_mixed_groups"][f"{hops}hop"] = round(sum(mixed[hops]) / len(mixed[hops]), 4)
+        report["val_greedy"][f"{hops}hop"] = round(sum(greedy[hops]) / len(greedy[hops]), 4)
+    report["settings"] = {"train_questions": len(train), "group_size": group_size, "val_questions": len(val)}
+    return report
+
+
+def ship(workdir: str, output: Path, report: dict) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    for part in ("tokenizer", "model"):
+        if (output / part).exists():
+            shutil.rmtree(output / part)
+        shutil.copytree(Path(workdir) / part, output / part)
+    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dspo.toy.rebuild", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", default=str(data_dir() / SHIPPED), help="where tokenizer/, model/, report.json go")
+    parser.add_argument("--workdir", default=None, help="build folder (default: a temporary one)")
+    parser.add_argument("--report", metavar="MODEL_DIR", default=None, help="only measure this model; print JSON")
+    parser.add_argument("--questions", type=int, default=200, help="train questions sampled for the report")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the train config (after --)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import dspo  # noqa: F401  registers the config resolvers
+    from dspo.console import quiet_console
+
+    quiet_console()
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="dspo_toy_rebuild_")
+    start = time.perf_counter()
+    world, model_dir = rebuild(workdir, args.overrides)  # cached in workdir: a --report run reuses the world
+    if args.report is not None:
+        if not (Path(args.report) / "config.json").is_file():
+            parser.error(f"--report {args.report}: not a model folder (no config.json)")
+        print(json.dumps(measure(args.report, world, args.overrides, args.questions), indent=2))
+        return
+    report = measure(model_dir, world, args.overrides, args.questions)
+    report["build_seconds"] = round(time.perf_counter() - start, 1)
+    ship(workdir, Path(args.output), report)
+    print(json.dumps(report, indent=2))
+    print(f"shipped to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""dspo.ablation on fake runs written with SummaryWriter: confidence intervals, collapse, token axis, clip activity
+against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from dspo import ablation
+from dspo.analysis import find_runs
+
+CONFIG = "algorithm:\n  name: {algorithm}\nseed: {seed}\nrun_name: {algorithm}_seed{seed}\n"
+
+
+def write_run(run_dir: Path, algorithm: str, seed: int, val: dict[int, float], reward: list[float]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(CONFIG.format(algorithm=algorithm, seed=seed))
+    writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+    for step, value in val.items():  # validation after `step` updates, logged at x = step
+        writer.add_scalar("val/subem_mean", value, step)
+        writer.add_scalar("val/toy_2hop/subem", value / 2, step)
+    for round_index, value in enumerate(reward):  # rounds of 2 updates start at x = 0, 2, 4, ...
+        writer.add_scalar("rollout/sampled_reward_mean", value, 2 * round_index)
+        writer.add_scalar("rollout/generated_tokens_total", 100.0 * (round_index + 1), 2 * round_index)
+    for step in range(2 * len(reward)):  # train metrics of update k at x = k - 1; odd x = second mini-batch
+        off_policy = step % 2 == 1
+        writer.add_scalar("loss/clipfrac", 0.4 if off_policy else 0.0, step)
+        writer.add_scalar("loss/ratio_min", 0.99 if off_policy else 1.0, step)
+        writer.add_scalar("loss/ratio_max", 1.02 if off_policy else 1.0, step)
+    writer.add_scalar("test/subem_mean", val[max(val)], max(val))
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sweep")
+    write_run(root / "0_dspo_seed0", "dspo", 0, {0: 0.2, 2: 0.3, 4: 0.5}, [0.3, 0.4])
+    write_run(root / "1_dspo_seed1", "dspo", 1, {0: 0.2, 2: 0.4, 4: 0.6}, [0.3, 0.5])
+    write_run(root / "2_grpo_seed0", "grpo", 0, {0: 0.2, 2: 0.1, 4: 0.1}, [0.3, 0.1])  # collapses
+    return root
+
+
+def test_ci95_hand_values() -> None:
+    mean, half = ablation.ci95([0.5, 0.6])
+    assert mean == pytest.approx(0.55) and half == pytest.approx(12.706 * math.sqrt(0.005) / math.sqrt(2))
+    mean, half = ablation.ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert math.isnan(ablation.ci95([0.4])[1]) and math.isnan(ablation.ci95([])[0])
+
+
+def test_collapse_definition() -> None:
+    import pandas as pd
+
+    assert ablation.collapsed(pd.Series([0.3, 0.2], index=[0, 10]), pd.Series([0.3] * 5))  # ended 0.1 below its start
+    assert not ablation.collapsed(pd.Series([0.3, 0.27], index=[0, 10]), pd.Series([0.3] * 5))  # within 0.05
+    assert ablation.collapsed(pd.Series([0.3, 0.3], index=[0, 10]), pd.Series([0.4, 0.3, 0.3, 0.3, 0.1]))  # halved
+    assert not ablation.collapsed(pd.Series([0.3], index=[0]), pd.Series([0.4, 0.3, 0.3, 0.3, 0.3]))
+
+
+def test_records_and_summary(sweep) -> None:
+    records = [ablation.run_record(r) for r in find_runs(sweep)]
+    by_run = {(r["algorithm"], r["seed"]): r for r in records}
+    assert by_run[("dspo", 0)]["val_start"] == pytest.approx(0.2) and by_run[("dspo", 0)]["val_final"] == 0.5
+    assert by_run[("dspo", 1)]["val/toy_2hop/subem@final"] == pytest.approx(0.3)
+    assert by_run[("dspo", 0)]["generated_tokens"] == 200.0
+    assert [r["collapsed"] for r in records] == [False, False, True]
+    table = ablation.summary(records)
+    assert table.loc["dspo", "n"] == 2 and table.loc["dspo", "val_final"] == pytest.approx(0.55)
+    assert table.loc["dspo", "val_gain"] == pytest.approx(0.35)
+    assert table.loc["dspo", "val_final±"] == pytest.approx(12.706 * math.sqrt(0.005) / math.sqrt(2))
+    assert table.loc["grpo", "collapsed"] == 1 and table.loc["dspo", "collapsed"] == 0
+
+
+def test_curves_against_generated_tokens(sweep) -> None:
+    frame = ablation.curves_vs_tokens(find_runs(sweep), points=3)
+    dspo = frame[frame.algorithm == "dspo"]
+    # val at x=0 used 0 tokens, at x=2 the first round (100), at x=4 two rounds (200): grid 0, 100, 200
+    assert dspo.tokens.tolist() == [0.0, 100.0, 200.0]
+    assert dspo["mean"].tolist() == pytest.approx([0.2, 0.35, 0.55])
+    assert ablation.curves_vs_tokens(find_runs(sweep), tag="not/logged").empty
+
+
+def test_clip_activity_per_position_in_the_round(sweep) -> None:
+    run = next(r for r in find_runs(sweep) if r.algorithm == "dspo")
+    table = ablation.clip_activity(run, minibatches=2)
+    assert table.loc[0, "clipfrac"] == 0.0 and table.loc[0, "ratio_max"] == 1.0  # first mini-batch: on-policy
+    assert table.loc[1, "clipfrac"] == pytest.approx(0.4) and table.loc[1, "ratio_min"] == pytest.approx(0.99)
+    assert table.loc[1, "steps"] == 2
+
+
+def test_report_and_cli(sweep, tmp_path, capsys) -> None:
+    out = tmp_path / "ablation.json"
+    ablation.main([str(sweep), "--json", str(out), "--figure", str(tmp_path / "a.png")])
+    assert "dspo" in capsys.readouterr().out
+    import json
+
+    result = json.loads(out.read_text())
+    assert set(result) == {"runs", "summary", "clip_activity"} and result["summary"]["grpo"]["collapsed"] == 1
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
