@@ -62,23 +62,29 @@ def test_sft_loss_covers_only_masked_targets() -> None:
 @pytest.mark.slow
 def test_warm_start_writes_loadable_cached_model(toy, tmp_path, monkeypatch) -> None:
     world, tok_dir = toy
-    rendered = []
+    calls = []
 
-    def spy(items, *args, **kwargs):
-        rendered.extend(items)
-        return render_demonstrations(items, *args, **kwargs)
+    def spy(items, world_meta, *args, **kwargs):
+        calls.append((items, world_meta))
+        return render_demonstrations(items, world_meta, *args, **kwargs)
 
     monkeypatch.setattr("dspo.toy.warmstart.render_demonstrations", spy)
     out = warm_start(str(tmp_path / "model"), world, tok_dir, SMALL)
     meta = load_world_meta(world)
-    # the demonstrations only ever name demo-split entities: RL's training questions stay unseen
-    assert rendered and {meta[n]["split"] for item in rendered for n in item.metadata["chain"]} == {"demo"}
+    assert len(calls) == 1 + SMALL.demo_renamings  # the demo split as built, then its renamed copies
+    unseen = {name for name, entity in meta.items() if entity["split"] != "demo"}
+    for items, call_meta in calls:
+        chains = {name for item in items for name in item.metadata["chain"]}
+        # the demonstrations only ever name demo-split entities: RL's training questions stay unseen
+        assert chains and {call_meta[name]["split"] for name in chains} == {"demo"} and not chains & unseen
+    renamed = {name for items, _ in calls[1:] for item in items for name in item.metadata["chain"]}
+    assert len(renamed - set(meta)) > len(renamed) / 2  # the copies mostly use names no entity of the world has
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.head_dim == 64 and model.config.vocab_size >= len(tokenizer)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     stats = json.loads((Path(out) / MANIFEST).read_text())["stats"]
-    assert stats["demos"] == 16 and stats["final_loss"] < stats["first_loss"]
+    assert stats["demos"] == 16 * (1 + SMALL.demo_renamings) and stats["final_loss"] < stats["first_loss"]
     weights = Path(out) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert warm_start(out, world, tok_dir, SMALL) == out and weights.stat().st_mtime_ns == stamp  # cached
