@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dspo.analysis import RunInfo, find_runs, load_scalars
+from dspo.analysis import RunInfo, available_tags, find_runs, run_series
 
 COLLAPSE_DROP = 0.05
 TOKEN_CURVE_COLUMNS = ["algorithm", "tokens", "mean", "std", "n"]
@@ -50,23 +50,17 @@ def ci95(values: Sequence[float]) -> tuple[float, float]:
     return mean, t * sd / math.sqrt(len(data))
 
 
-def _series(scalars: pd.DataFrame, tag: str) -> pd.Series:
-    rows = scalars[scalars["tag"] == tag]
-    return pd.Series(rows["value"].to_numpy(), index=rows["step"].to_numpy(), dtype="float64")
-
-
 def run_record(run: RunInfo) -> dict[str, float | str | int | bool | None]:
     """One run's numbers: step-0 and final validation, test, sampled reward, tokens, collapse."""
-    scalars = load_scalars(run.dir)
-    val = _series(scalars, "val/subem_mean")
-    reward = _series(scalars, "rollout/sampled_reward_mean")
-    tokens = _series(scalars, "rollout/generated_tokens_total")
+    val = run_series(run, "val/subem_mean")
+    reward = run_series(run, "rollout/sampled_reward_mean")
+    tokens = run_series(run, "rollout/generated_tokens_total")
     record: dict[str, float | str | int | bool | None] = {"algorithm": run.algorithm, "seed": run.seed}
     record["val_start"] = float(val.loc[0]) if 0 in val.index else math.nan
     record["val_final"] = float(val.iloc[-1]) if len(val) else math.nan
-    for tag in sorted(set(scalars["tag"])):
+    for tag in available_tags([run]):
         if tag.startswith(("val/", "test/")) and tag.endswith("subem") or tag == "test/subem_mean":
-            series = _series(scalars, tag)
+            series = run_series(run, tag)
             record[f"{tag}@final"] = float(series.iloc[-1])
             if tag.startswith("val/") and 0 in series.index:
                 record[f"{tag}@0"] = float(series.loc[0])
@@ -111,8 +105,7 @@ def curves_vs_tokens(runs: Sequence[RunInfo], tag: str = "val/subem_mean", point
     for algorithm in sorted({r.algorithm for r in runs}):
         pairs = []
         for run in (r for r in runs if r.algorithm == algorithm):
-            scalars = load_scalars(run.dir)
-            values, tokens = _series(scalars, tag), _series(scalars, "rollout/generated_tokens_total")
+            values, tokens = run_series(run, tag), run_series(run, "rollout/generated_tokens_total")
             if values.empty or tokens.empty:
                 continue
             # tokens sampled before the validation after `step` updates: rounds start at x = updates so far, so the
@@ -136,10 +129,9 @@ def _last_before(series: pd.Series, step: int) -> float:
 
 def clip_activity(run: RunInfo, minibatches: int) -> pd.DataFrame:
     """Per position of the step in its round: mean clipfrac, mean ratio_min / ratio_max, steps counted."""
-    scalars = load_scalars(run.dir)
     rows = []
-    clip = _series(scalars, "loss/clipfrac")
-    low, high = _series(scalars, "loss/ratio_min"), _series(scalars, "loss/ratio_max")
+    clip = run_series(run, "loss/clipfrac")
+    low, high = run_series(run, "loss/ratio_min"), run_series(run, "loss/ratio_max")
     for position in range(minibatches):
         steps = [s for s in clip.index if s % minibatches == position]  # train metrics of update k are logged at k-1
         lows, highs = low.reindex(steps), high.reindex(steps)

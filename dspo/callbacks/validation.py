@@ -22,12 +22,9 @@ class ValidateAtStart(pl.Callback):
         self.ran = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.enabled or trainer.global_step > 0 or trainer.limit_val_batches == 0:
-            return
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not trainer.enable_validation:
+        if not self.enabled or trainer.global_step > 0 or not trainer.enable_validation:
             return
         trainer.validating = True  # selects the validation loop as the active one (logging, hooks)
-        epoch_loop.val_loop.run()
+        trainer.fit_loop.epoch_loop.val_loop.run()
         trainer.training = True
         self.ran = True
