@@ -8,7 +8,8 @@ QA file, algorithm variant, G, B, lengths), instantiates data, module, the envir
 runs `trainer.fit` for warm-up + measured rounds. One round = one train batch: at its `on_train_batch_start` the
 `EnvironmentCallback` pushes the weights into the in-process vLLM engine and samples groups until B pass the filter,
 then `training_step` does the forward/backward passes and the AdamW step. `RoundClock`, first in the callback list,
-times each batch and wraps the environment to read every round's rollout statistics.
+times each batch and wraps the environment to read every round's rollout statistics, and the functions that do each
+phase of a step to time them (`PHASES`; `other_s` is the rest: Lightning's loop, logging, Python).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import os
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,48 @@ import lightning.pytorch as pl
 
 def prompt_digest(token_lists: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(token_lists).encode()).hexdigest()[:16]
+
+
+# Phases of one step, each the wall time of the function(s) that do it (wrapped by `RoundClock._wrap`).
+PHASES = {
+    "push_s": "weight push into the engine (EnvironmentCallback._sync_weights -> engine.push_weights)",
+    "generate_s": "rollout: engine calls, reward, filter (RolloutEnvironment.sample_round)",
+    "collate_s": "round building: advantages, bucketing, padding (dspo.data.buffer.build_round)",
+    "forward_s": "logprob forwards: policy (with entropy), old / reference when they apply (DSPOModule._logprobs)",
+    "loss_s": "objective and its statistics (dspo.algorithms.losses.policy_loss)",
+    "backward_s": "backward passes (DSPOModule.manual_backward)",
+    "clip_s": "gradient norm and clipping (DSPOModule._clip_gradients)",
+    "optimizer_s": "AdamW step (torch optimizer step hooks)",
+}
+
+
+class PhaseTimer:
+    """Accumulates the wall time spent in wrapped functions, per phase, until `take()`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._open: dict[str, float] = {}
+
+    def start(self, phase: str) -> None:
+        self._open[phase] = time.perf_counter()
+
+    def stop(self, phase: str) -> None:
+        self.seconds[phase] += time.perf_counter() - self._open.pop(phase)
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any):
+            tic = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - tic
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = {phase: self.seconds.get(phase, 0.0) for phase in PHASES}
+        self.seconds.clear()
+        return out
 
 
 class RoundClock(pl.Callback):
@@ -41,33 +86,40 @@ class RoundClock(pl.Callback):
         self.round: dict[str, float] = {}
         self.wrapped = False
         self.prompt_ids: list[list[int]] = []
+        self.phases = PhaseTimer()
 
-    def _wrap(self, trainer: pl.Trainer) -> None:
-        from dspo.callbacks.environment_callback import EnvironmentCallback
+    def _wrap(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import dspo.callbacks.environment_callback as env_module
+        import dspo.module as module_module
 
-        env_cb = next(c for c in trainer.callbacks if isinstance(c, EnvironmentCallback))
-        sample_round, push_weights = env_cb.environment.sample_round, env_cb.engine.push_weights
+        env_cb = next(c for c in trainer.callbacks if isinstance(c, env_module.EnvironmentCallback))
+        sample_round = env_cb.environment.sample_round
 
-        def timed_sample_round(*args: Any, **kwargs: Any):
+        def reading_sample_round(*args: Any, **kwargs: Any):
             groups, stats = sample_round(*args, **kwargs)
             self.round.update({k.removeprefix("rollout/"): float(v) for k, v in stats.items()})
             return groups, stats
 
-        def timed_push(*args: Any, **kwargs: Any):
-            tic = time.perf_counter()
-            out = push_weights(*args, **kwargs)
-            self.round["push_s"] = time.perf_counter() - tic
-            return out
-
-        env_cb.environment.sample_round, env_cb.engine.push_weights = timed_sample_round, timed_push
+        wrap = self.phases.wrap
+        env_cb.environment.sample_round = wrap("generate_s", reading_sample_round)
+        env_cb.engine.push_weights = wrap("push_s", env_cb.engine.push_weights)
+        env_module.build_round = wrap("collate_s", env_module.build_round)
+        module_module.policy_loss = wrap("loss_s", module_module.policy_loss)
+        methods = {"_logprobs": "forward_s", "manual_backward": "backward_s", "_clip_gradients": "clip_s"}
+        for name, phase in methods.items():
+            setattr(pl_module, name, wrap(phase, getattr(pl_module, name)))
+        optimizer = pl_module.optimizers().optimizer
+        optimizer.register_step_pre_hook(lambda *_: self.phases.start("optimizer_s"))
+        optimizer.register_step_post_hook(lambda *_: self.phases.stop("optimizer_s"))
         items = trainer.datamodule.sampler.items
         self.prompt_ids = [env_cb.agent.prompt_ids(item) for item in items]
         self.wrapped = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.wrapped:
-            self._wrap(trainer)
-        self.round = {"push_s": 0.0}
+            self._wrap(trainer, pl_module)
+        self.round = {}
+        self.phases.take()
         self.tic = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -78,13 +130,15 @@ class RoundClock(pl.Callback):
         sampled = r.get("groups_sampled", 0.0)
         group_size = pl_module.algo.group_size
         tokens = r.get("tokens_per_s", 0.0) * r.get("time_s", 0.0)
+        phases = self.phases.take()
+        step_s = now - self.tic
         self.steps.append(
             {
-                "step_s": now - self.tic,
+                "step_s": step_s,
                 "cycle_s": now - self.last_end if self.last_end else float("nan"),
-                "push_s": r.get("push_s", 0.0),
-                "generate_s": r.get("time_s", float("nan")),  # sample_round: engine calls + reward + filter
-                "train_s": now - self.tic - r.get("time_s", 0.0) - r.get("push_s", 0.0),
+                **phases,
+                "other_s": step_s - sum(phases.values()),
+                "train_s": step_s - phases["generate_s"] - phases["push_s"],  # everything after the rollout
                 "keep_rate": r.get("keep_rate", float("nan")),
                 "groups_sampled": sampled,
                 "engine_calls": r.get("engine_calls", float("nan")),
@@ -95,6 +149,21 @@ class RoundClock(pl.Callback):
             }
         )
         self.last_end = now
+
+
+def top_ops(profiler: Any, rows: int) -> list[dict[str, Any]]:
+    """The operators with the most self CPU time over the whole run (all steps, warm-up included)."""
+    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "self_cpu_s": e.self_cpu_time_total / 1e6,
+            "share": e.self_cpu_time_total / total,
+        }
+        for e in events[:rows]
+    ]
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -116,11 +185,19 @@ def main(spec_path: str, result_path: str) -> None:
     module, datamodule = objects["module"], objects["datamodule"]
     clock = RoundClock()
     trainer.callbacks.insert(0, clock)  # first, so its batch-start hook runs before the environment samples
-    error = None
+    error, profiler = None, None
+    if spec.get("profile"):  # operator-level view (it slows every step down: phase times of such a run are not kept)
+        import torch
+
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
     try:
         trainer.fit(module, datamodule=datamodule)
     except SamplingExhausted as exc:  # e.g. a model that never earns a reward: the filter keeps nothing
         error = f"SamplingExhausted: {exc}"
+    finally:
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
     import vllm
 
     result = {
@@ -130,6 +207,8 @@ def main(spec_path: str, result_path: str) -> None:
         "prompt_tokens_mean": sum(map(len, clock.prompt_ids)) / max(len(clock.prompt_ids), 1),
         "versions": {"vllm": vllm.__version__, "lightning": pl.__version__},
     }
+    if profiler is not None:
+        result["top_ops"] = top_ops(profiler, spec.get("profile_rows", 20))
     Path(result_path).write_text(json.dumps(result, indent=1))
 
 

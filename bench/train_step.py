@@ -16,6 +16,12 @@ vary as in a rollout. Two layouts of the same round are compared, alternated:
   micro-batch is padded only to its own longest sequence);
 - `random`: the same micro-batch size, sequences in shuffled order (what a plain DataLoader would give).
 
+Against the machine's limit: the same run measures this machine's float32 matmul rate (`torch.mm` on the shapes of the
+step's largest products: the LM head's and the MLP's, at the micro-batch's row count, and a square 2048 product; the
+best is the limit) and counts the step's FLOPs with `torch.utils.flop_counter.FlopCounterMode` (matmuls and
+attention, forward and backward: the arithmetic the update needs; elementwise work is not counted, as in MFU).
+`efficiency` = counted FLOPs / step seconds / the limit (goal >= 0.3).
+
 padding share = tokens computed on padding / all tokens computed (goal <= 10 %). tokens/s counts real tokens
 (prompt + response) forwarded and backpropagated per second. Peak memory: on CUDA `max_memory_allocated`; on CPU the
 peak resident set size above the level before the step, sampled every 5 ms (allocator caching makes it approximate).
@@ -116,6 +122,36 @@ def layouts(groups: list, micro_batch_size: int, pad_id: int, seed: int) -> dict
     return {"bucketed": bucketed, "random": shuffled}
 
 
+def matmul_rate(device: str, shapes: list[tuple[int, int, int]], repeats: int = 5) -> dict[str, float]:
+    """Best-of-`repeats` float32 `torch.mm` rate (FLOP/s) for each [m, k] @ [k, n] shape."""
+    import torch
+
+    rates = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+        torch.mm(a, b)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            tic = time.perf_counter()
+            torch.mm(a, b)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - tic)
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / best
+    return rates
+
+
+def step_flops(model, optimizer, micro_batches: list, device: str) -> float:
+    """FLOPs of one optimizer step as FlopCounterMode counts them (matmuls and attention, forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        optimizer_step(model, optimizer, micro_batches, device)
+    return float(counter.get_total_flops())
+
+
 def optimizer_step(model, optimizer, micro_batches: list, device: str) -> None:
     """One DSPO optimizer step over `micro_batches` (the module's computation, see the module docstring)."""
     import torch
@@ -185,6 +221,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dspo.module import OptimizerConfig, build_adamw
     from dspo.toy.model import build_tiny_model
 
     if args.threads:
@@ -205,8 +242,15 @@ def main() -> None:
         )
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).train()
         model.config.use_cache = False
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = build_adamw(list(model.parameters()), OptimizerConfig(lr=1e-6))  # as DSPOModule builds it
     variants = layouts(groups, args.micro_batch_size, tokenizer.pad_token_id, args.seed)
+    flops = {name: step_flops(model, optimizer, micro, args.device) for name, micro in variants.items()}
+    rows = max(int(b.loss_mask.sum()) for b in variants["bucketed"])  # LM head rows of the largest micro-batch
+    tokens = max(b.attention_mask.numel() for b in variants["bucketed"])
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    shapes = [(rows, hidden, vocab), (tokens, hidden, model.config.intermediate_size), (2048, 2048, 2048)]
+    rates = matmul_rate(args.device, shapes)
+    limit = max(rates.values())
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for micro in variants.values():  # warm-up (allocator, kernels) once per layout
         optimizer_step(model, optimizer, micro, args.device)
@@ -215,11 +259,18 @@ def main() -> None:
             results[name].append(measure(model, optimizer, micro, args.device))
 
     summary = {name: _median(runs) for name, runs in results.items()}
+    for name, s in summary.items():
+        s["flops"] = flops[name]
+        s["achieved_flops_per_s"] = flops[name] / s["seconds"]
+        s["efficiency"] = s["achieved_flops_per_s"] / limit
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     report = {
         "machine": _machine(args.device),
         "args": vars(args),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "matmul_flops_per_s": rates,
+        "matmul_limit_flops_per_s": limit,
+        "efficiency": summary["bucketed"]["efficiency"],  # dspo's layout
         "sequence_lengths": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
         "summary": summary,
         "runs": results,
@@ -229,12 +280,14 @@ def main() -> None:
         f"{min(lengths)}-{max(lengths)} (median {statistics.median(lengths):.0f}), micro-batch {args.micro_batch_size},"
         f" {report['parameters'] / 1e6:.2f}M parameters, {args.device}, median of {args.repeats}\n"
     )
-    print("| layout | step | tokens/s (real) | computed tokens/s | padding share | peak memory |")
-    print("|---|---|---|---|---|---|")
+    print("matmul rate (float32 torch.mm): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items()))
+    print("| layout | step | tokens/s (real) | computed tokens/s | padding | peak memory | GFLOP/s | efficiency |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, s in summary.items():
         print(
             f"| {name} | {s['seconds']:.2f} s | {s['tokens_per_s']:,.0f} | {s['computed_tokens_per_s']:,.0f} | "
-            f"{100 * s['padding_share']:.1f} % | {s['peak_mib']:,.0f} MiB |"
+            f"{100 * s['padding_share']:.1f} % | {s['peak_mib']:,.0f} MiB | {s['achieved_flops_per_s'] / 1e9:.1f} | "
+            f"{s['efficiency']:.2f} |"
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2))

@@ -1,7 +1,8 @@
 """End to end vs TRL: wall time of one RL step of dspo (vLLM engine, Lightning loop) and of TRL's GRPOTrainer in
 GSPO mode (`importance_sampling_level="sequence"`) on CPU, and the cost of dspo's dynamic filter.
 
-    .venv/bin/python bench/vs_trl.py                  # B=4 prompts x G=5, 96 new tokens, 1 warm-up + 2 steps, 2 repeats
+    .venv/bin/python bench/vs_trl.py                  # B=4 prompts x G=5, 96 new tokens, 1 warm-up + 3 steps, 2 repeats
+    .venv/bin/python bench/vs_trl.py --profile        # dspo only, once: phase times + torch.profiler's top operators
     .venv/bin/python bench/vs_trl.py --steps 1 --repeats 1 --prompts 2 --group-size 2 --max-new-tokens 16  # smoke
     .venv/bin/python bench/vs_trl.py --fresh-trl-venv  # rebuild the throwaway TRL environment first
 
@@ -11,7 +12,10 @@ One step = generate B x G completions, reward, forward/backward, optimizer step;
 in-process vLLM engine (TRL generates with the training model). Each configuration runs in a fresh child process
 (`--warmup` untimed steps, then `--steps` timed ones); the three configurations (dspo filter off = `algorithm=gspo`,
 TRL, dspo filter on = `algorithm=dspo`) alternate, order reversed every other repeat, so load drift hits all of them.
-Step time = median over the timed steps. No new repeat starts once it would overrun `--budget-s`.
+Step time = median over the timed steps. No new repeat starts once it would overrun `--budget-s`. dspo's steps are
+split into phases by timing the functions that do them (`bench/_dspo_side.py` `PHASES`: weight push, generation,
+round building, logprob forward, objective, backward, gradient clipping, AdamW, and the rest); TRL's into generation
+and the rest.
 Filter cost = median rollout time per round, filter on / filter off. Both keep exactly B groups, so this is generation
 per kept group at the measured keep-rate versus an unfiltered step (1/keep-rate = the cost without batched
 over-sampling).
@@ -49,7 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _trl_env import ensure_trl_venv  # bench/ is on sys.path when this script runs
+from _dspo_side import PHASES  # bench/ is on sys.path when this script runs
+from _trl_env import ensure_trl_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"  # carried by the repository (data/README.md)
@@ -57,6 +62,7 @@ YES_NO_SOURCES = [DATA / "benchmarks" / f"{name}.jsonl" for name in ("hotpotqa",
 STOP = ["</search>", "</answer>"]  # what dspo's agent stops a turn at (searchr1 tags)
 FILLER = ["Ġthe", "Ġquestion", "Ġasks", "Ġwhether", "Ġboth", "Ġare", "Ġsame", "Ġcompare"]
 FILLER += ["Ġfacts", "Ġand", "Ġcheck", "Ġwhich", "Ġone", "Ġis", "Ġolder", "Ġfirst"]
+GOAL_RATIO = 0.10  # issue 17: dspo's median step (filter off) at most a tenth of TRL's
 VARIANTS = {"dspo_nofilter": "dspo filter off (gspo)", "trl": "TRL GRPOTrainer, GSPO", "dspo_filter": "dspo filter on"}
 
 
@@ -180,6 +186,14 @@ def trl_spec(args: argparse.Namespace, model: str, rows: list[dict], prompts: li
     }
 
 
+def prepare_work(work: Path, rows: list[dict]) -> None:
+    """The QA file and a 50-passage corpus (the environment needs a retriever; with max_turns=1 nobody searches)."""
+    (work / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(DATA / "hotpotqa_dev500" / "corpus.jsonl.gz", "rt", encoding="utf-8") as f:
+        corpus = [next(f).rstrip("\n") for _ in range(50)]
+    (work / "corpus.jsonl").write_text("\n".join(corpus) + "\n")
+
+
 def run_child(python: str, script: str, spec: dict, work: Path, tag: str, timeout: float) -> dict:
     spec_path, out_path, log_path = work / f"{tag}.spec.json", work / f"{tag}.result.json", work / f"{tag}.log"
     spec_path.write_text(json.dumps(spec))
@@ -233,14 +247,22 @@ def build_report(summary: dict, runs: dict) -> dict:
         return summary.get(name, {}).get(f"{key}_median", float("nan"))
 
     ratio = {k: med(k, "step_s") / med("trl", "step_s") for k in ("dspo_nofilter", "dspo_filter")}
+    phase_keys = ["step_s", *PHASES, "other_s", "train_s"]
     filter_cost = med("dspo_filter", "generate_s") / med("dspo_nofilter", "generate_s")
     digests = {k: {r.get("prompt_digest") for r in rs if r.get("prompt_digest")} for k, rs in runs.items()}
     per_repeat = [summary.get(k, {}).get("per_repeat_step_s", []) for k in ("dspo_nofilter", "trl")]
     return {
+        "dspo_step_s": med("dspo_nofilter", "step_s"),
+        "trl_step_s": med("trl", "step_s"),
+        "ratio": ratio["dspo_nofilter"],  # dspo (filter off) / TRL, medians of the timed steps
+        "goal_ratio_met": bool(ratio["dspo_nofilter"] <= GOAL_RATIO) if math.isfinite(ratio["dspo_nofilter"]) else None,
+        "phases": {
+            "dspo_nofilter": {k: med("dspo_nofilter", k) for k in phase_keys},
+            "trl": {k: med("trl", k) for k in ("step_s", "generate_s", "train_s")},
+        },
         "ratio_dspo_nofilter_over_trl": ratio["dspo_nofilter"],
         "ratio_dspo_filter_over_trl": ratio["dspo_filter"],
         "ratio_per_repeat": [d / t for d, t in zip(*per_repeat)],
-        "goal_step_ratio_met": bool(ratio["dspo_nofilter"] <= 0.5) if math.isfinite(ratio["dspo_nofilter"]) else None,
         "filter_cost": filter_cost,
         "filter_keep_rate": summary.get("dspo_filter", {}).get("keep_rate_pooled", float("nan")),
         "filter_cost_goal_met": bool(filter_cost <= 1.5) if math.isfinite(filter_cost) else None,
@@ -272,8 +294,9 @@ def print_table(summary: dict, report: dict) -> None:
     repeats = ", ".join(f"{x:.2f}" for x in report["ratio_per_repeat"])
     print(
         f"\ndspo (filter off) / TRL step time: {report['ratio_dspo_nofilter_over_trl']:.2f}x "
-        f"(goal <= 0.5x: {verdict[report['goal_step_ratio_met']]}); per repeat: {repeats}"
+        f"(goal <= {GOAL_RATIO}x: {verdict[report['goal_ratio_met']]}); per repeat: {repeats}"
     )
+    print_phases(report["phases"]["dspo_nofilter"])
     print(f"dspo (filter on)  / TRL step time: {report['ratio_dspo_filter_over_trl']:.2f}x")
     keep = report["filter_keep_rate"]
     print(
@@ -281,6 +304,39 @@ def print_table(summary: dict, report: dict) -> None:
         f"{keep:.2f} (goal <= 1.5x: {verdict[report['filter_cost_goal_met']]}; 1/keep-rate = {1 / keep:.2f})"
     )
     print(f"same prompt tokens on both sides: {report['same_prompt_tokens']}")
+
+
+def print_phases(phases: dict[str, float]) -> None:
+    step = phases.get("step_s", float("nan"))
+    print("\ndspo step (filter off), median seconds per phase:")
+    for key in [*PHASES, "other_s"]:
+        value = phases.get(key, float("nan"))
+        label = PHASES.get(key, "the rest: Lightning's loop, logging, Python")
+        print(f"  {key:12} {value:7.3f} s {value / step:6.1%}  {label}")
+
+
+def profile(args: argparse.Namespace, work: Path, model: str) -> None:
+    """One dspo child (filter off) under torch.profiler: its phase times and the top operators by self CPU time."""
+    spec = {**dspo_spec(args, work, model, False, args.seed), "profile": True, "profile_rows": 25}
+    result = run_child(sys.executable, "_dspo_side.py", spec, work, "profile", args.child_timeout_s)
+    steps = result["steps"][args.warmup :]
+    if not steps:
+        raise SystemExit(f"profile run failed: {result.get('error')}")
+    phases = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    print_phases(phases)
+    print(
+        "\ntop operators by self CPU time (whole run, warm-up and generation included; profiler overhead inflates "
+        "small ops):"
+    )
+    for op in result.get("top_ops", []):
+        print(f"  {op['op'][:48]:48} {op['calls']:8d} calls {op['self_cpu_s']:8.2f} s {op['share']:6.1%}")
+    out = args.out.with_name("profile_dspo_step.json")
+    out.write_text(json.dumps(finite({"config": vars_json(args), "phases": phases, **result}), indent=1) + "\n")
+    print(f"\nwrote {out}")
+
+
+def vars_json(args: argparse.Namespace) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
 def main() -> None:
@@ -299,7 +355,7 @@ def main() -> None:
     add("--p-correct", type=float, default=0.25, help="scripted model: P(right answer), at most 0.5")
     add("--think-tokens", type=float, help="scripted model: mean filler tokens before the answer (default N/2)")
     add("--warmup", type=int, default=1, help="unmeasured steps per child process (at least 1)")
-    add("--steps", type=int, default=2, help="measured steps per child process")
+    add("--steps", type=int, default=3, help="measured steps per child process")
     add("--repeats", type=int, default=2, help="alternations of the configurations")
     add("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides")
     add("--seed", type=int, default=0)
@@ -311,6 +367,7 @@ def main() -> None:
     add("--keep-work", action="store_true", help="keep the work dir (model, child logs) instead of deleting it")
     add("--budget-s", type=float, default=540.0, help="start no repeat that would end later than this")
     add("--out", type=Path, default=ROOT / "bench" / "results" / "vs_trl.json")
+    add("--profile", action="store_true", help="profile one dspo run instead (writes profile_dspo_step.json)")
     args = parser.parse_args()
     b, g = args.prompts, args.group_size
     args.micro_batch_size = args.micro_batch_size or (10 if (b * g) % 10 == 0 else b * g)
@@ -318,6 +375,13 @@ def main() -> None:
         parser.error(f"--micro-batch-size must divide B*G = {b * g} and --warmup must be >= 1")
     args.think_tokens = args.think_tokens or args.max_new_tokens / 2
     load_before, t0 = os.getloadavg(), time.perf_counter()
+    if args.profile:
+        work = Path(tempfile.mkdtemp(prefix="dspo_bench_profile_"))
+        model, rows, _ = resolve_workload(args, work)
+        prepare_work(work, rows)
+        profile(args, work, model)
+        shutil.rmtree(work, ignore_errors=True)
+        return
 
     trl_info = ensure_trl_venv(args.trl_venv, args.trl_version, args.fresh_trl_venv)
     print(
@@ -327,10 +391,7 @@ def main() -> None:
     )
     work = Path(tempfile.mkdtemp(prefix="dspo_bench_vs_trl_"))
     model, rows, prompts = resolve_workload(args, work)
-    (work / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with gzip.open(DATA / "hotpotqa_dev500" / "corpus.jsonl.gz", "rt", encoding="utf-8") as f:
-        corpus = [next(f).rstrip("\n") for _ in range(50)]
-    (work / "corpus.jsonl").write_text("\n".join(corpus) + "\n")
+    prepare_work(work, rows)
     print(
         f"model {model}; {len(rows)} questions; B={b} x G={g}, {args.max_new_tokens} new tokens, "
         f"micro-batch {args.micro_batch_size}; work dir {work}",
@@ -353,7 +414,7 @@ def main() -> None:
     print_table(summary, report)
     env = {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
     env.update({k: v for k, v in trl_info.items() if not k.endswith("_file")})
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config = vars_json(args)
     record = {"config": config, "environment": env, **report, "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(finite(record), indent=1) + "\n")

@@ -49,6 +49,9 @@ class OptimizerConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     max_consecutive_skips: int = 3
+    # torch's fused AdamW kernel (one pass over each parameter; CPU and CUDA): null = use it where torch supports the
+    # parameters, else the multi-tensor one; true = require it; false = the multi-tensor one (foreach)
+    fused: bool | None = None
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -69,6 +72,20 @@ def train_mode_without_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
     if hasattr(model, "config") and isinstance(getattr(model.config, "attention_dropout", None), float):
         model.config.attention_dropout = 0.0
+
+
+def build_adamw(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW with `cfg.fused` resolved: the fused kernel where torch runs it for these parameters (bench/README.md: the
+    AdamW step of a 151k-vocabulary model), else the multi-tensor implementation."""
+    kwargs = {"lr": cfg.lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay}
+    if cfg.fused is False:
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError) as err:  # a device or dtype the fused kernel does not cover
+        if cfg.fused:
+            raise ValueError(f"optimizer.fused=true, but torch has no fused AdamW for these parameters: {err}") from err
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
 class NonFiniteTraining(RuntimeError):
@@ -224,6 +241,7 @@ class DSPOModule(pl.LightningModule):
             self._on_non_finite(slot)
             return None
         self._skipped_in_a_row = 0
+        lr = float(optimizer.param_groups[0]["lr"])  # the rate this step applies (the scheduler then moves it)
         optimizer.step()
         self.weights_version += 1
         optimizer.zero_grad(set_to_none=True)
@@ -235,7 +253,7 @@ class DSPOModule(pl.LightningModule):
                 "train/reward_mean": float(rewards.mean()),
                 "train/response_tokens_mean": float(lengths.mean()),
                 "train/grad_norm": float(grad_norm),
-                "train/lr": float(optimizer.param_groups[0]["lr"]),
+                "train/lr": lr,
                 "train/policy_version": float(slot.round_index),
             }
         )
@@ -282,9 +300,7 @@ class DSPOModule(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=self.optim_cfg.lr, betas=self.optim_cfg.betas, weight_decay=self.optim_cfg.weight_decay
-        )
+        optimizer = build_adamw(params, self.optim_cfg)
         warmup = self.optim_cfg.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -105,7 +105,14 @@ def attach(callback, agent: ScriptedAgent, engine: RecordingEngine, world_size: 
 
 
 def toy_run(
-    model_dir: str, root: str, max_steps: int, module_cls: Any = None, lr: float = 1e-2, seed: int = 0, **algorithm
+    model_dir: str,
+    root: str,
+    max_steps: int,
+    module_cls: Any = None,
+    lr: float = 1e-2,
+    seed: int = 0,
+    warmup_steps: int = 0,
+    **algorithm: Any,
 ) -> SimpleNamespace:
     """Module, callback (with the stand-ins attached), datamodule and a CPU trainer for `max_steps` optimizer steps.
 
@@ -125,7 +132,9 @@ def toy_run(
         defaults["rollout_correction"] = {"mode": "none"}
     algo = AlgorithmConfig(**{**defaults, **algorithm})
     model = ModelConfig(path=model_dir)
-    module = (module_cls or DSPOModule)(model, algo, OptimizerConfig(lr=lr, weight_decay=0.0))
+    module = (module_cls or DSPOModule)(
+        model, algo, OptimizerConfig(lr=lr, weight_decay=0.0, warmup_steps=warmup_steps)
+    )
     callback = EnvironmentCallback(None, None, None, algo, model, seed=seed, sample_every_n_rounds=0)
     agent, engine = ScriptedAgent(), RecordingEngine()
     attach(callback, agent, engine)

@@ -46,6 +46,10 @@ class Probe(DSPOModule):
         self.logged.append(dict(dictionary))
         return super().log_dict(dictionary, *args, **kwargs)
 
+    def log(self, name, value, *args, **kwargs):
+        self.scalars = [*getattr(self, "scalars", []), (name, float(value))]  # every single value, log_dict's too
+        return super().log(name, value, *args, **kwargs)
+
     def step_log(self, step: int) -> dict:
         return [d for d in self.logged if "train/loss" in d][step]
 
@@ -122,7 +126,14 @@ def test_old_logprobs_come_from_the_weights_before_the_rounds_first_update(lm_di
         torch.testing.assert_close(old, _logprobs(start, ids, mask), atol=1e-5, rtol=1e-5)
         ratios.append(float((_logprobs(updated, ids, mask) - old).abs().max()))
     assert max(ratios) > 1e-3  # the update moved the policy: old ≠ current, so a stale "old" would be caught
-    assert run.module.step_log(1)["loss/ratio_max"] > 1.0 > run.module.step_log(1)["loss/ratio_min"]
+    sequence_ratios = []  # dspo: s_i = exp(mean_t(logπ − logπ_old)) over the sequence's trained tokens (Eq. 11)
+    for ids, mask, _, old in _sequences(second):
+        delta = ((_logprobs(updated, ids, mask) - old) * mask).sum() / mask.sum()
+        sequence_ratios.append(float(torch.exp(delta)))
+    logged = run.module.step_log(1)
+    assert logged["loss/ratio_max"] == pytest.approx(max(sequence_ratios), rel=1e-5)
+    assert logged["loss/ratio_min"] == pytest.approx(min(sequence_ratios), rel=1e-5)
+    assert logged["loss/ratio_max"] > 1.0 > logged["loss/ratio_min"]
 
 
 def test_kl_path_with_a_reference_model_and_checkpoints_without_it(lm_dir, tmp_path):
@@ -202,3 +213,376 @@ def test_policy_is_built_in_train_mode_without_dropout(tmp_path):
         policy.eval()
         eval_logits = policy(input_ids=ids).logits
     assert torch.equal(train_logits, eval_logits)  # no randomness left in train mode
+    assert policy.config.use_cache is False and module.reference is None  # β = 0: no reference model is loaded
+    assert set(module.hparams) == {"model", "algorithm", "optimizer"} and module.hparams["model"]["path"] == path
+    assert module.automatic_optimization is False and module.strict_loading is False
+    with_kl = DSPOModule(
+        ModelConfig(path=path), AlgorithmConfig(group_size=2, batch_groups=1, kl_coef=0.1), OptimizerConfig()
+    )
+    with_kl.configure_model()
+    assert not with_kl.reference.training and not any(p.requires_grad for p in with_kl.reference.parameters())
+
+
+def test_dropout_modules_are_zeroed_in_any_model():
+    from dspo.module import train_mode_without_dropout
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))  # no `config` attribute
+    model.eval()
+    train_mode_without_dropout(model)
+    assert model.training and model[1].p == 0.0
+
+
+def test_adamw_is_fused_where_torch_supports_it_and_falls_back_or_refuses(monkeypatch):
+    from dspo.module import OptimizerConfig, build_adamw
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    cfg = OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), weight_decay=0.05)
+    fused = build_adamw(params, cfg).defaults
+    assert fused["fused"] is True  # CPU float32: fused
+    multi = build_adamw(params, OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), weight_decay=0.05, fused=False)).defaults
+    assert multi["foreach"] is True and not multi["fused"]
+    for defaults in (fused, multi):
+        assert (defaults["lr"], defaults["betas"], defaults["weight_decay"]) == (3e-4, (0.8, 0.9), 0.05)
+    real = torch.optim.AdamW
+
+    def no_fused_kernel(*args, fused=None, **kwargs):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused_kernel)
+    fallback = build_adamw(params, cfg).defaults
+    assert fallback["foreach"] is True and fallback["lr"] == 3e-4  # auto: falls back
+    with pytest.raises(ValueError, match="optimizer.fused=true"):
+        build_adamw(params, OptimizerConfig(fused=True))
+
+
+def test_logged_step_metrics_are_the_values_of_the_minibatch(lm_dir, tmp_path):
+    """Every train/* and rollout/* scalar of a step, recomputed from the step's own data and weights (M = 2, warm-up
+    of 2 steps): the lr this step applied, the rewards and lengths of its mini-batch, the round it belongs to, the
+    entropy under the weights before the step, the gradient norm before clipping, ratio 1 on a round's first step."""
+    lr, warmup = 1e-2, 2
+    run = _fit(lm_dir, tmp_path, 4, num_minibatches=2, warmup_steps=warmup)
+    rollouts = [d for d in run.module.logged if "rollout/generated_tokens" in d]
+    assert [d["rollout/policy_version"] for d in rollouts] == [0.0, 1.0]
+    assert all(0.0 <= d["rollout/padding_share"] < 1.0 for d in rollouts)
+    totals = [d["rollout/generated_tokens_total"] for d in rollouts]
+    assert totals[0] == rollouts[0]["rollout/generated_tokens"] > 0
+    assert totals[1] == pytest.approx(totals[0] + rollouts[1]["rollout/generated_tokens"])
+    for step, slot in enumerate(run.module.slots):
+        logged = run.module.step_log(step)
+        rewards = torch.cat([b.rewards for b in slot.micro_batches])
+        lengths = torch.cat([b.loss_mask.sum(1) for b in slot.micro_batches])
+        assert logged["train/lr"] == pytest.approx(lr * min(1.0, (step + 1) / (warmup + 1)))
+        assert logged["train/reward_mean"] == pytest.approx(float(rewards.mean()))
+        assert logged["train/response_tokens_mean"] == pytest.approx(float(lengths.mean()))
+        assert logged["train/policy_version"] == slot.round_index == step // 2
+        grad_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in run.module.grads[step].values()]))
+        assert logged["train/grad_norm"] == pytest.approx(float(grad_norm), rel=1e-5)
+        model, entropy_sum, tokens = _load(lm_dir, run.module.weights_before[step]), 0.0, 0.0
+        for batch in slot.micro_batches:
+            _, entropy = masked_token_logprobs(
+                model, batch.input_ids, batch.attention_mask, batch.loss_mask, with_entropy=True
+            )
+            entropy_sum, tokens = entropy_sum + float(entropy.sum()), tokens + float(batch.loss_mask.sum())
+        assert logged["train/entropy"] == pytest.approx(entropy_sum / tokens, rel=1e-5)
+        if step % 2 == 0:  # a round's first mini-batch is on-policy
+            assert logged["loss/ratio_min"] == logged["loss/ratio_max"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"lr": 0.0}, "optimizer.lr must be > 0"),
+        ({"lr": -1e-6}, "optimizer.lr must be > 0"),
+        ({"warmup_steps": -1}, "optimizer.warmup_steps must be >= 0"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips >= 1"),
+    ],
+)
+def test_optimizer_config_is_validated_when_built(bad, message):
+    from dspo.module import OptimizerConfig
+
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**bad)
+    assert OptimizerConfig(lr=1e-6, warmup_steps=0, max_consecutive_skips=1, betas=[0.9, 0.95]).betas == (0.9, 0.95)
+
+
+class _Environment:
+    """Answers from a table (question id -> answer) and records what the module hands back."""
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        self.answers, self.recorded = answers, []
+
+    def predict(self, items):
+        from dspo.eval.pipeline import Prediction
+
+        return [
+            Prediction(i.id, i.benchmark, i.question, i.golden_answers, self.answers[i.id], 0.0, 0.0, 0.0, 1, 0)
+            for i in items
+        ]
+
+    def record_predictions(self, stage, predictions):
+        self.recorded.append((stage, [p.id for p in predictions]))
+
+
+def test_validation_and_test_log_subem_per_benchmark_and_their_mean(lm_dir, tmp_path):
+    """Two benchmarks: `val/<name>/subem|em|f1` per benchmark and `val/subem_mean` (the mean of the two subEMs,
+    not of the questions) reach the logger at x = the number of applied updates; test returns them from
+    trainer.test(); predictions go back to the environment with their stage."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers.logger import Logger
+
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.data.datamodule import RolloutDataModule
+    from dspo.models import ModelConfig
+    from dspo.module import OptimizerConfig
+    from dspo.types import QAItem
+
+    class Recording(Logger):
+        name, version = "recording", 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[tuple[int, dict]] = []
+
+        def log_metrics(self, metrics, step=None) -> None:
+            self.records.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args, **kwargs) -> None:
+            pass
+
+    def items(name, n):
+        return [QAItem(id=f"{name}{i}", question=f"q{i}", golden_answers=["Paris"], benchmark=name) for i in range(n)]
+
+    sets = {"one": items("one", 4), "two": items("two", 2)}
+    test_sets = {"three": items("three", 5)}  # other names than validation's: each stage gets its own metrics
+    right = {"one0", "one1", "one2", "two0", "three0"}  # one: 3/4, two: 1/2 (mean over benchmarks 0.625); three: 1/5
+    every = [i for group in (*sets.values(), *test_sets.values()) for i in group]
+    answers = {i.id: ("Paris" if i.id in right else "Rome") for i in every}
+    datamodule = RolloutDataModule(train_files=["unused"], val_files={"one": "-", "two": "-"}, eval_batch_size=3)
+    datamodule.test_files = {"three": "-"}
+    datamodule.val_sets, datamodule.test_sets = sets, test_sets
+    module = DSPOModule(ModelConfig(path=lm_dir), AlgorithmConfig(group_size=2, batch_groups=1), OptimizerConfig())
+    module.configure_model()
+    module.environment = _Environment(answers)
+    logger = Recording()
+    trainer = pl.Trainer(accelerator="cpu", logger=logger, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.validate(module, datamodule=datamodule)
+    [(step, logged)] = [(s, m) for s, m in logger.records if "val/subem_mean" in m]
+    assert step == 0
+    assert trainer.callback_metrics["val/subem_mean"] == pytest.approx(0.625)  # what checkpoint monitors read
+    assert logged["val/one/subem"] == pytest.approx(0.75) and logged["val/two/subem"] == pytest.approx(0.5)
+    assert logged["val/subem_mean"] == pytest.approx(0.625)
+    assert {"val/one/em", "val/one/f1", "val/two/em", "val/two/f1"} <= logged.keys()
+    results = {k: v for per_loader in trainer.test(module, datamodule=datamodule) for k, v in per_loader.items()}
+    assert results["test/subem_mean"] == pytest.approx(0.2) and results["test/three/subem"] == pytest.approx(0.2)
+    assert not any(k.startswith("val/") for k in results)
+    assert len([m for _, m in logger.records if "test/subem_mean" in m]) == 1  # logged once, by Lightning
+    stages = [stage for stage, _ in module.environment.recorded]
+    assert stages.count("val") == 3 and stages.count("test") == 2  # 4 + 2 and 5 questions in batches of 3
+    assert sorted(i for stage, ids in module.environment.recorded if stage == "test" for i in ids) == sorted(
+        i.id for i in test_sets["three"]
+    )
+    datamodule.val_files, datamodule.val_sets = {"two": "-"}, {"two": sets["two"]}  # one loader: no dataloader_idx
+    trainer.validate(module, datamodule=datamodule)
+    assert trainer.callback_metrics["val/two/subem"] == pytest.approx(0.5)
+    module.environment = None
+    with pytest.raises(RuntimeError, match="no environment attached"):
+        module.validation_step(sets["one"], 0)
+
+
+def test_error_messages_name_the_cause_and_the_fix(lm_dir, tmp_path, caplog):
+    """The module's errors, word for word: each names what is missing and where to fix it."""
+    import logging
+    from types import SimpleNamespace
+
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.models import ModelConfig
+    from dspo.module import OptimizerConfig
+
+    with pytest.raises(ValueError) as bad_lr:
+        OptimizerConfig(lr=0.0)
+    assert str(bad_lr.value) == "optimizer.lr must be > 0, got 0.0"
+    with pytest.raises(ValueError) as bad_warmup:
+        OptimizerConfig(warmup_steps=-1)
+    assert str(bad_warmup.value) == "optimizer.warmup_steps must be >= 0 and optimizer.max_consecutive_skips >= 1"
+    module = DSPOModule(ModelConfig(path=lm_dir), AlgorithmConfig(group_size=2, batch_groups=1), OptimizerConfig())
+    with pytest.raises(RuntimeError) as empty:
+        module.training_step(SimpleNamespace(micro_batches=[], round_batches=[]), 0)
+    assert str(empty.value) == "empty train batch: EnvironmentCallback must be in trainer.callbacks (conf/callbacks)"
+    with pytest.raises(RuntimeError) as missing:
+        module._rollout_correction(torch.zeros(1, 2), SimpleNamespace(engine_logprobs=None))
+    assert str(missing.value) == (
+        "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.buffer.collate_trajectories"
+    )
+    with pytest.raises(RuntimeError) as detached:
+        module.test_step([], 0)
+    assert str(detached.value) == "test: no environment attached; add EnvironmentCallback to trainer.callbacks"
+
+    run = toy_run(lm_dir, str(tmp_path), 5, module_cls=Probe)
+    run.module.poison = {0, 1}
+    run.module.optim_cfg.max_consecutive_skips = 2
+    with caplog.at_level(logging.WARNING, logger="dspo.module"), pytest.raises(NonFiniteTraining) as stopped:
+        run.trainer.fit(run.module, datamodule=run.datamodule)
+    path = tmp_path / "checkpoints" / "non_finite.ckpt"
+    assert str(stopped.value) == (
+        f"2 consecutive non-finite steps (optimizer.max_consecutive_skips); checkpoint saved to {path}. "
+        "Lower optimizer.lr or check the data of round 1."
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "dspo.module"] == [
+        "non-finite loss or gradient at round 0 mini-batch 0: step skipped (1 in a row)",
+        "non-finite loss or gradient at round 1 mini-batch 0: step skipped (2 in a row)",
+    ]
+    assert [v for k, v in run.module.scalars if k == "train/skipped_steps"] == [1.0, 2.0]
+    saved = torch.load(path, weights_only=False)
+    assert saved["global_step"] == 0 and "optimizer_states" in saved  # a full checkpoint, resumable
+
+
+def test_rollout_correction_weights_the_gradient_and_mismatch_is_the_minibatch_token_mean(lm_dir, tmp_path):
+    """seq_tis with engine logprobs that differ from the trainer's (the scripted engine reports -1 per token): the
+    step's gradient is that of the objective weighted by the correction of each sequence, over all 3 micro-batches,
+    and `mismatch/logprob_diff_abs_mean` is the token mean over the whole mini-batch (not a mean of micro-batches)."""
+    from dspo.algorithms.losses import loss_normalizer, policy_loss
+    from dspo.algorithms.rollout_correction import correction_weights
+
+    correction = {"mode": "seq_tis", "low": 0.5, "high": 1.5}
+    run = _fit(lm_dir, tmp_path, 1, rollout_correction=correction)
+    slot, model = run.module.slots[0], _load(lm_dir)
+    assert len(slot.micro_batches) == 3
+    rows = [(b, i) for b in slot.micro_batches for i in range(len(b))]
+    num_tokens = float(sum(b.loss_mask.sum() for b in slot.micro_batches))
+    normalizer = loss_normalizer("dspo", len(rows), num_tokens)
+    total, diff, weights_seen = torch.zeros(()), 0.0, set()
+    for batch, i in rows:
+        n = int(batch.attention_mask[i].sum())
+        ids, mask, engine = (
+            batch.input_ids[i : i + 1, :n],
+            batch.loss_mask[i : i + 1, :n],
+            batch.engine_logprobs[i : i + 1, :n],
+        )
+        logprobs = _logprobs(model, ids, mask)
+        weights, _ = correction_weights(logprobs.detach(), engine, mask, "seq_tis", 0.5, 1.5)
+        weights_seen.add(round(float(weights[mask.bool()].max()), 6))
+        loss, _ = policy_loss("dspo", logprobs, logprobs.detach(), batch.advantages[i : i + 1], mask, 0.2, 0.3,
+                              normalizer=normalizer, weights=weights)  # fmt: skip
+        total = total + loss
+        diff += float(((logprobs.detach() - engine).abs() * mask).sum())
+    assert len(weights_seen) > 1  # the weights differ between sequences: a dropped weighting would show
+    expected = _grads(model, total)
+    for name, grad in expected.items():
+        torch.testing.assert_close(run.module.grads[0][name], grad, atol=1e-6, rtol=1e-4)
+    logged = run.module.step_log(0)
+    assert logged["mismatch/logprob_diff_abs_mean"] == pytest.approx(diff / num_tokens, rel=1e-5)
+    assert logged["loss/ratio_mean"] == pytest.approx(1.0) and logged["loss/clipfrac"] == 0.0
+
+
+def test_token_means_use_the_token_count_of_all_ranks(lm_dir, tmp_path, monkeypatch):
+    """dapo with a world of 2 ranks that hold the same data (strategy.reduce sums the two counts): the token count is
+    reduced once per step with "sum", and the gradient equals the single-process one (global tokens / ranks, which
+    DDP's gradient averaging then undoes), not twice or half of it."""
+    import lightning.pytorch as pl
+
+    single = _fit(lm_dir, tmp_path / "single", 1, loss="dapo")
+    run = toy_run(lm_dir, str(tmp_path / "two"), 1, module_cls=Probe, loss="dapo")
+    reduced = []
+
+    def reduce(value, reduce_op):
+        reduced.append((float(value), reduce_op))
+        return value * 2
+
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: 2))
+    run.trainer.strategy.reduce = reduce
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    tokens = float(sum(b.loss_mask.sum() for b in run.module.slots[0].micro_batches))
+    assert reduced == [(tokens, "sum")]
+    for name, grad in single.module.grads[0].items():
+        torch.testing.assert_close(run.module.grads[0][name], grad, atol=1e-7, rtol=1e-5)
+
+
+def test_checkpoint_hooks_drop_the_reference_and_restore_the_applied_step_count(lm_dir):
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.models import ModelConfig
+    from dspo.module import OptimizerConfig, _safe_key
+
+    module = DSPOModule(ModelConfig(path=lm_dir), AlgorithmConfig(group_size=2, batch_groups=1), OptimizerConfig())
+    module.weights_version = 7
+    checkpoint = {"state_dict": {"policy.w": 1, "reference.w": 2, "referenced.x": 3}}
+    module.on_save_checkpoint(checkpoint)
+    assert checkpoint["state_dict"] == {"policy.w": 1, "referenced.x": 3}
+    assert checkpoint["dspo"] == {"model_dir": lm_dir, "weights_version": 7}
+    module.on_load_checkpoint({"dspo": {"weights_version": 5}, "global_step": 9})
+    assert module.weights_version == 5
+    module.on_load_checkpoint({"global_step": 9})  # a checkpoint from before weights_version was stored
+    assert module.weights_version == 9
+    module.on_load_checkpoint({})
+    assert module.weights_version == 0
+    assert _safe_key("nq.dev/v1") == "nq_dev_v1" and _safe_key("toy_2hop") == "toy_2hop"
+
+
+class GradientPoison(Probe):
+    """Makes the gradient (not the loss) of the listed steps non-finite."""
+
+    def __init__(self, *args, grad_poison: tuple[int, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grad_poison, self._hook = set(grad_poison), None
+
+    def training_step(self, slot, batch_idx):
+        if batch_idx in self.grad_poison:
+            self._hook = self.policy.lm_head.weight.register_hook(lambda g: g * float("nan"))
+        try:
+            return super().training_step(slot, batch_idx)
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_skipped(lm_dir, tmp_path):
+    run = toy_run(lm_dir, str(tmp_path), 1, module_cls=GradientPoison)
+    run.module.grad_poison = {0}
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    assert run.module.weights_version == 1 and len(run.module.slots) == 2  # step 0 skipped, step 1 applied
+    before, after = run.module.weights_before
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name  # nothing of the poisoned step reached the weights
+
+
+def test_the_skip_counter_restarts_after_an_applied_step(lm_dir, tmp_path):
+    """Skips at batches 0, 2 and 3 with max_consecutive_skips = 3: never 3 in a row, so the run ends normally."""
+    run = toy_run(lm_dir, str(tmp_path), 3, module_cls=Probe)
+    run.module.poison = {0, 2, 3}
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    assert run.trainer.global_step == 3 and run.module.weights_version == 3
+    assert [v for k, v in run.module.scalars if k == "train/skipped_steps"] == [1.0, 1.0, 2.0]
+
+
+def test_resume_through_lightning_with_a_reference_model(lm_dir, tmp_path):
+    """β > 0: the checkpoint has no `reference.*` weights, and Lightning's resume must load it anyway."""
+    first = toy_run(lm_dir, str(tmp_path / "a"), 1, kl_coef=0.1)
+    first.trainer.fit(first.module, datamodule=first.datamodule)
+    path = str(tmp_path / "kl.ckpt")
+    first.trainer.save_checkpoint(path)
+    resumed = toy_run(lm_dir, str(tmp_path / "b"), 2, kl_coef=0.1)
+    resumed.trainer.fit(resumed.module, datamodule=resumed.datamodule, ckpt_path=path)
+    assert resumed.trainer.global_step == 2 and resumed.module.weights_version == 2
+
+
+def test_hooks_work_without_a_datamodule_or_a_state_dict(lm_dir):
+    """Fitting with plain dataloaders (no datamodule) creates no eval metrics; a checkpoint dict without a state
+    dict still gets dspo's entry."""
+    from types import SimpleNamespace
+
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.models import ModelConfig
+    from dspo.module import OptimizerConfig
+
+    module = DSPOModule(ModelConfig(path=lm_dir), AlgorithmConfig(group_size=2, batch_groups=1), OptimizerConfig())
+    module._trainer = SimpleNamespace(datamodule=None)
+    module.setup("fit")
+    assert len(module.eval_metrics) == 0
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(val_benchmarks=["a.b"]))  # no test_benchmarks
+    module.setup("fit")
+    assert set(module.eval_metrics) == {"val__a_b", "test__a_b"}
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    assert checkpoint == {"dspo": {"model_dir": lm_dir, "weights_version": 0}}

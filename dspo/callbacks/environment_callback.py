@@ -221,8 +221,8 @@ class EnvironmentCallback(pl.Callback):
         self.rounds_completed = int(state_dict["rounds_completed"])
         self.generated_tokens_total = float(state_dict.get("generated_tokens_total", 0.0))
         if int(state_dict.get("cursor", 0)):
+            self.rounds_completed += 1  # the interrupted round's rest was never stored: the next round starts fresh
             log.warning("checkpoint was taken mid-round; resuming with a fresh round %d", self.rounds_completed)
-            self.rounds_completed += 1
         self.cursor, self.current = 0, None
         self._engine_weights = -1  # the engine holds the initial weights: push the restored ones before sampling
         torch.set_rng_state(state_dict["torch_rng"])

@@ -4,6 +4,13 @@ Why not `model(input_ids).logits.log_softmax(-1)`: with a 151k vocabulary the `[
 its log-softmax copy) dominates memory and time of an RL step, although only the model-generated tokens are trained.
 Here the decoder runs once, the hidden states of the positions that predict a trained token are gathered first
 (`[K, H]`, K = number of trained tokens), and the LM head + log-softmax run on those in chunks of `chunk_size` rows.
+
+Why a hand-written backward for the head (`HeadLogprobs`): autograd's path (linear, temperature division,
+log_softmax, gather, entropy) makes about 20 passes over each `[k, vocab]` chunk and allocates several copies of it;
+at a 151k vocabulary those memory-bound passes cost more than the head's matmuls on CPU (bench/README.md, profile).
+The gradient of logπ(t) with respect to the logits is onehot(t) - p, so the forward keeps p (the one `[k, V]` tensor
+autograd would keep too), and the backward scales it in place and runs the two matmuls. Heads that are not an
+`nn.Linear` take the autograd path (`_autograd_head_logprobs`), which is also the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -23,6 +30,56 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder, head
 
 
+class HeadLogprobs(torch.autograd.Function):
+    """logπ(targets) under softmax((hidden @ weightᵀ + bias) / temperature) for one chunk of rows, in float32; the
+    entropy too when asked (no gradient). Inputs: hidden [k, H], weight [V, H], bias [V] or None, targets [k].
+    Returns logprobs [k] and entropy [k] (an empty tensor when not asked)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, for_backward: bool = True):
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [k, V]
+        if temperature != 1.0:
+            logits.div_(temperature)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logprobs = log_probs.gather(1, targets[:, None]).squeeze(1)
+        probs, entropy = None, logprobs.new_empty(0)
+        if with_entropy:  # p goes into the logits' buffer: a fresh [k, V] tensor costs more than the exp (bench/README)
+            probs = torch.exp(log_probs, out=logits)
+            entropy = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)  # row dots, no [k, V] temporary
+        elif for_backward:
+            probs = log_probs.exp_()
+        del logits, log_probs
+        if for_backward:  # (old / reference logprobs under no_grad keep nothing)
+            ctx.save_for_backward(hidden, weight, probs, targets)
+        ctx.has_bias, ctx.temperature = bias is not None, temperature
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, probs, targets = ctx.saved_tensors
+        # d logπ(t) / d raw logits = (onehot(t) - p) / temperature; scaled by the incoming gradient, in place over p
+        scale = (grad_logprobs.float() / ctx.temperature)[:, None]  # [k, 1]
+        grad_logits = probs.mul_(-scale)
+        grad_logits.scatter_add_(1, targets[:, None], scale)
+        grad_logits = grad_logits.to(weight.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = grad_logits.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _autograd_head_logprobs(head: nn.Module, hidden, targets, temperature: float, with_entropy: bool):
+    """The same as `HeadLogprobs` through autograd, for any head module (and as the tests' reference)."""
+    log_probs = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [k, V]
+    logprobs = log_probs.gather(1, targets[:, None]).squeeze(1)
+    if not with_entropy:
+        return logprobs, logprobs.new_empty(0)
+    with torch.no_grad():
+        return logprobs, -(log_probs.exp() * log_probs).sum(-1)
+
+
 def masked_token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -31,6 +88,7 @@ def masked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 2048,
     with_entropy: bool = False,
+    fallback: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logπ(token_t | tokens_<t) for every t with loss_mask[:, t] = 1; 0 elsewhere.
 
@@ -40,6 +98,7 @@ def masked_token_logprobs(
             distribution the engine sampled from (as verl does).
         chunk_size: rows of the LM head computed at once (memory knob).
         with_entropy: also return the entropy of each trained position's distribution (detached).
+        fallback: use autograd's path for the head even when it is an `nn.Linear` (the tests' reference).
 
     Returns:
         logprobs [N, L] (differentiable) and entropy [N, L] or None.
@@ -51,14 +110,19 @@ def masked_token_logprobs(
     rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)  # trained token at cols+1, predicted from cols
     selected = hidden[rows, cols]  # [K, H]
     targets = input_ids[rows, cols + 1]  # [K]
+    fused = isinstance(head, nn.Linear) and not fallback
+    for_backward = torch.is_grad_enabled() and (selected.requires_grad or head.weight.requires_grad)
     token_logprobs, token_entropy = [], []
     for start in range(0, selected.shape[0], chunk_size):
-        logits = head(selected[start : start + chunk_size]).float() / temperature  # [k, V]
-        log_probs = torch.log_softmax(logits, dim=-1)
-        token_logprobs.append(log_probs.gather(1, targets[start : start + chunk_size, None]).squeeze(1))
-        if with_entropy:
-            with torch.no_grad():
-                token_entropy.append(-(log_probs.exp() * log_probs).sum(-1))
+        rows_k, targets_k = selected[start : start + chunk_size], targets[start : start + chunk_size]
+        if fused:
+            logprobs, entropy = HeadLogprobs.apply(
+                rows_k, head.weight, head.bias, targets_k, temperature, with_entropy, for_backward
+            )
+        else:
+            logprobs, entropy = _autograd_head_logprobs(head, rows_k, targets_k, temperature, with_entropy)
+        token_logprobs.append(logprobs)
+        token_entropy.append(entropy)
     out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(out) if with_entropy else None
     if token_logprobs:

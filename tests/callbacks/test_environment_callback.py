@@ -139,3 +139,269 @@ def test_per_rank_divisibility_is_checked_at_setup():
     with pytest.raises(ValueError, match="algorithm.num_minibatches=4.*trainer.devices"):
         callback.setup(SimpleNamespace(world_size=2, global_rank=0), SimpleNamespace(), "fit")
     assert callback.engine is None
+
+
+class Slots(DSPOModule):
+    """Records every train batch (RoundSlot) the callback filled."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots: list = []
+
+    def training_step(self, slot, batch_idx):
+        self.slots.append(slot)
+        return super().training_step(slot, batch_idx)
+
+
+def test_rounds_fill_their_slots_with_per_round_seeds_and_samples_every_n_rounds(lm_dir, tmp_path):
+    """M = 2 over 3 rounds, run seed 3: each round is sampled in one engine call whose seed is the round's
+    (seed·1,000,003 + round·1,009) + the call's number (1, `RolloutEnvironment`), with policy version = round. A
+    round's first slot carries every micro-batch of the round (for the old logprobs), the second none; sample
+    trajectories are written on rounds 0 and 2 (`sample_every_n_rounds` = 2)."""
+    import dspo.callbacks.environment_callback as env_module
+
+    run = toy_run(lm_dir, str(tmp_path), 6, module_cls=Slots, seed=3, num_minibatches=2)
+    written: list[int] = []
+    run.callback.sample_every_n_rounds = 2
+    samples: list = []
+
+    def record_sample(trainer, group) -> None:
+        written.append(run.callback.rounds_completed)
+        samples.append((trainer, group))
+
+    run.callback._write_samples = record_sample
+    built, build_round = [], env_module.build_round
+
+    def recording_build_round(groups, **kwargs):
+        built.append((kwargs["policy_version"], kwargs["seed"], kwargs["num_minibatches"], kwargs["adv_eps"]))
+        return build_round(groups, **kwargs)
+
+    env_module.build_round = recording_build_round
+    try:
+        run.trainer.fit(run.module, datamodule=run.datamodule)
+    finally:
+        env_module.build_round = build_round
+    assert built == [(r, 3 + r, 2, run.callback.algo.adv_eps) for r in range(3)]  # the shuffle's seed: seed + round
+    assert set(run.trainer.progress_bar_metrics) == {"reward", "keep"}  # the bar shows reward and keep-rate only
+    assert not {"reward", "keep"} & run.trainer.logged_metrics.keys()  # ... which are not logged twice
+    assert "rollout/keep_rate" in run.trainer.logged_metrics and "train/reward_mean" in run.trainer.logged_metrics
+    assert [(version, seed) for _, version, seed in run.agent.calls] == [
+        (r, 3 * 1_000_003 + r * 1_009 + 1) for r in range(3)
+    ]
+    assert written == [0, 2]
+    for (trainer, group), round_index in zip(samples, written, strict=True):
+        assert trainer is run.trainer and group.item.id == run.agent.calls[round_index][0][0]  # the round's first group
+    for index, slot in enumerate(run.module.slots):
+        assert (slot.round_index, slot.minibatch_index) == (index // 2, index % 2)
+        if index % 2 == 0:
+            following = run.module.slots[index + 1].micro_batches
+            assert [id(b) for b in slot.round_batches] == [id(b) for b in slot.micro_batches + following]
+        else:
+            assert slot.round_batches == []
+    assert run.callback.rounds_completed == 3 and run.callback.current is None and run.callback.cursor == 0
+
+
+def test_train_batches_must_be_round_slots():
+    with pytest.raises(TypeError, match="expects RoundSlot train batches"):
+        _callback().on_train_batch_start(None, None, {"input_ids": None}, 0)
+
+
+class _Experiment:
+    def __init__(self) -> None:
+        self.texts: list[tuple[str, str, int]] = []
+
+    def add_text(self, tag: str, text: str, global_step: int) -> None:
+        self.texts.append((tag, text, global_step))
+
+
+def test_sample_trajectories_are_written_as_text_with_rewards_and_searches():
+    from dspo.types import QAItem, RolloutGroup, Trajectory
+
+    item = QAItem(id="7", question="Who founded Lipindale?", golden_answers=["Rotha Drouzol"])
+    trajectories = [
+        Trajectory([1], [2, 3], [1, 1], [-1.0, -1.0], reward, response_text=text, num_search_calls=searches)
+        for reward, text, searches in ((1.0, "first\nline", 2), (0.0, "second", 0))
+    ]
+    experiment = _Experiment()
+    trainer = SimpleNamespace(logger=SimpleNamespace(experiment=experiment), global_step=12)
+    _callback()._write_samples(trainer, RolloutGroup(item=item, trajectories=trajectories))
+    [(tag, text, step)] = experiment.texts
+    assert tag == "rollout/sample" and step == 12
+    assert "Who founded Lipindale?" in text and "['Rotha Drouzol']" in text
+    assert "**#0 reward=1.0 searches=2**" in text and "**#1 reward=0.0 searches=0**" in text
+    assert "first  \nline" in text and "\n---\n**#1" in text  # markdown line breaks, one block per trajectory
+    _callback()._write_samples(SimpleNamespace(logger=None, global_step=0), RolloutGroup(item, trajectories))
+    no_text = SimpleNamespace(logger=SimpleNamespace(experiment=object()), global_step=0)  # a logger without text
+    _callback()._write_samples(no_text, RolloutGroup(item, trajectories))
+
+
+def test_the_trained_policy_is_exported_unless_preempted(lm_dir, tmp_path, caplog):
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    run = toy_run(lm_dir, str(tmp_path), 2)
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
+    assert run.callback.exported_to == str(tmp_path / "model")
+    for name, value in run.module.policy.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], value), name
+    from dspo.callbacks.checkpoints import PreemptionCheckpoint
+
+    preemption = PreemptionCheckpoint(str(tmp_path / "checkpoints"))
+    preemption.saved_to = str(tmp_path / "preempted.ckpt")  # what it records after a SIGTERM's checkpoint
+    stopped = SimpleNamespace(callbacks=[preemption], default_root_dir=str(tmp_path / "other"))
+    run.callback.export_dir = None
+    with caplog.at_level(logging.INFO, logger="dspo.callbacks.environment_callback"):
+        run.callback.on_train_end(stopped, run.module)
+    assert not (tmp_path / "other").exists()
+    assert caplog.records[-1].getMessage() == "preempted: the policy is not exported (resume with ckpt_path=last)"
+
+
+def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_path, monkeypatch):
+    import dspo.eval.pipeline as pipeline
+
+    calls = []
+    monkeypatch.setattr(pipeline, "predict", lambda agent, items, size, **kw: calls.append((agent, items, size, kw)))
+    callback = _callback()
+    callback.agent, callback.rounds_completed, callback.eval_batch_size = "agent", 7, 5
+    callback.predict(["q"])
+    assert calls == [("agent", ["q"], 5, {"policy_version": 7, "progress": False})]
+    written = []
+    monkeypatch.setattr(pipeline, "score", lambda predictions: {"toy": {"n": len(predictions)}})
+    monkeypatch.setattr(pipeline, "write_results", lambda path, results, preds: written.append((path, results, preds)))
+    callback.record_predictions("val", ["v"])
+    callback.record_predictions("test", ["a", "b"])
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), is_global_zero=True)
+    callback.on_test_end(trainer, None)
+    assert written == [(tmp_path / "test", {"toy": {"n": 2}}, ["a", "b"])]
+    callback.on_test_end(trainer, None)  # predictions were consumed: nothing more to write
+    assert len(written) == 1
+
+
+def test_counters_and_the_keep_rate_estimate_survive_a_checkpoint():
+    callback = _callback()
+    callback.rounds_completed, callback.generated_tokens_total = 3, 1234.0
+    callback.environment = SimpleNamespace(keep_rate_estimate=0.42)
+    state = callback.state_dict()
+    assert (state["rounds_completed"], state["generated_tokens_total"], state["keep_rate_estimate"]) == (
+        3,
+        1234.0,
+        0.42,
+    )
+    restored = _callback()
+    restored.load_state_dict(state)
+    assert (restored.rounds_completed, restored.generated_tokens_total) == (3, 1234.0)
+    assert restored._engine_weights == -1  # the engine must be sent the restored weights
+    early = _callback()
+    early.environment = SimpleNamespace(keep_rate_estimate=0.9)
+    early.load_state_dict(state)
+    assert early.environment.keep_rate_estimate == 0.42
+
+
+def test_error_and_log_messages_word_for_word(lm_dir, tmp_path, caplog):
+    import logging
+
+    with pytest.raises(ValueError) as mismatch:
+        EnvironmentCallback(None, {"temperature": 0.5}, None, AlgorithmConfig(), ModelConfig(path="unused"))
+    assert str(mismatch.value) == (
+        "rollout.agent.temperature=0.5 differs from algorithm.temperature=1.0: the trainer would score a "
+        "distribution that was not sampled. Set only algorithm.temperature (conf/rollout/*.yaml interpolate it)"
+    )
+    EnvironmentCallback(None, {}, None, AlgorithmConfig(), ModelConfig(path="unused"))  # no temperature given: fine
+    with pytest.raises(TypeError) as wrong:
+        _callback().on_train_batch_start(None, None, [1], 0)
+    assert str(wrong.value) == (
+        "EnvironmentCallback expects RoundSlot train batches (RolloutDataModule), got <class 'list'>"
+    )
+    callback = _callback()
+    callback.engine, callback.rounds_completed = RecordingEngine(version=5), 3
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), datamodule=None)
+    callback._engine_weights = 2  # the push below is skipped, as the bug the guard is for would skip it
+    with pytest.raises(RuntimeError) as stale:
+        callback._start_round(trainer, SimpleNamespace(weights_version=2))
+    assert str(stale.value) == (
+        "engine holds weights after 5 optimizer steps, the policy after 2; round 3 is starting: the weight push "
+        "was skipped (a bug in dspo; please report it)"
+    )
+    mid_round = _callback()
+    state = {**mid_round.state_dict(), "rounds_completed": 4, "cursor": 1}
+    with caplog.at_level(logging.INFO, logger="dspo.callbacks.environment_callback"):
+        mid_round.load_state_dict(state)
+        run = toy_run(lm_dir, str(tmp_path), 1)
+        run.trainer.fit(run.module, datamodule=run.datamodule)
+    messages = [r.getMessage() for r in caplog.records if r.name == "dspo.callbacks.environment_callback"]
+    assert messages == [
+        "checkpoint was taken mid-round; resuming with a fresh round 5",
+        f"exported the trained policy to {tmp_path / 'model'}",
+    ]
+
+
+def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_rate(lm_dir):
+    """Outside the stand-ins: setup loads the tokenizer, builds the engine from its factory with the model path, the
+    search agent around it and a rank's RolloutEnvironment (B / W groups), applies a keep-rate estimate restored
+    before setup, attaches itself to the module, and builds nothing again on a second call."""
+    from dspo.rollout.agent import SearchAgent
+
+    built = []
+
+    def factory(model_path: str) -> RecordingEngine:
+        built.append(model_path)
+        return RecordingEngine()
+
+    model = ModelConfig(path=lm_dir, tokenizer="data/tokenizers/qwen2.5")
+    algo = AlgorithmConfig(group_size=2, batch_groups=4)
+    callback = EnvironmentCallback(factory, AgentConfig(), "retriever", algo, model)
+    callback._keep_rate_estimate = 0.25  # as load_state_dict leaves it when it runs before setup
+    module = SimpleNamespace(environment=None)
+    callback.setup(SimpleNamespace(world_size=2, global_rank=1), module, "fit")
+    assert built == [lm_dir] and module.environment is callback
+    assert isinstance(callback.agent, SearchAgent) and callback.agent.engine is callback.engine
+    assert callback.agent.retriever == "retriever" and callback.tokenizer.pad_token_id is not None
+    assert callback.environment.agent is callback.agent and callback.environment.local_target == 2
+    assert callback.environment.keep_rate_estimate == 0.25
+    engine = callback.engine
+    callback.setup(SimpleNamespace(world_size=2, global_rank=1), module, "validate")
+    assert built == [lm_dir] and callback.engine is engine
+
+
+def test_validation_and_test_first_push_weights_that_changed():
+    callback = _callback()
+    callback.engine = RecordingEngine(version=0)
+    callback._engine_weights = 0
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None))
+    callback.on_validation_start(trainer, _Root(weights_version=0))
+    assert callback.engine.pushes == []  # the engine already holds these weights
+    root = _Root(weights_version=3)
+    callback.on_test_start(trainer, root)
+    assert [v for v, _ in callback.engine.pushes] == [3] and callback.engine.version == 3
+    assert torch.equal(callback.engine.pushes[0][1]["weight"], root.policy.weight)
+    callback.on_validation_start(trainer, root)
+    assert len(callback.engine.pushes) == 1
+
+
+def test_constructor_defaults_and_an_old_checkpoint_without_the_newer_counters():
+    callback = _callback()
+    assert (callback.seed, callback.eval_batch_size, callback.sample_every_n_rounds) == (0, 64, 5)
+    assert callback._keep_rate_estimate is None and callback.rounds_completed == 0 and callback.cursor == 0
+    old = {"rounds_completed": 6, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+    callback.load_state_dict(old)  # written before generated_tokens_total, cursor and the keep-rate were stored
+    assert callback.rounds_completed == 6 and callback.generated_tokens_total == 0.0
+    assert callback._keep_rate_estimate is None
+
+
+class _SavingTokenizer:
+    pad_token_id = 0
+
+    def __init__(self) -> None:
+        self.saved_to: list = []
+
+    def save_pretrained(self, path) -> None:
+        self.saved_to.append(path)
+
+
+def test_the_export_writes_the_tokenizer_beside_the_model(lm_dir, tmp_path):
+    run = toy_run(lm_dir, str(tmp_path), 1)
+    run.callback.tokenizer = _SavingTokenizer()
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    assert run.callback.tokenizer.saved_to == [str(tmp_path / "model")]
