@@ -87,6 +87,26 @@ class RecordingEngine:
         self.version = version
 
 
+def recording_logger():
+    """A Lightning logger that keeps every `log_metrics` call as (step, metrics) in `.records` (nothing written)."""
+    from lightning.pytorch.loggers.logger import Logger
+
+    class RecordingLogger(Logger):
+        name, version = "recording", 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[tuple[int | None, dict]] = []
+
+        def log_metrics(self, metrics, step=None) -> None:
+            self.records.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args, **kwargs) -> None:
+            pass
+
+    return RecordingLogger()
+
+
 def toy_items(n: int = 40) -> list[QAItem]:
     return [QAItem(id=str(i), question=f"q{i}", golden_answers=["a"]) for i in range(n)]
 

@@ -4,25 +4,10 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader
 
 from dspo.callbacks.validation import ValidateAtStart
-
-
-class RecordingLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[int, dict]] = []
-
-    name = "recording"
-    version = 0
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.records.append((step, dict(metrics)))
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
+from dspo.testing import recording_logger
 
 
 class Tiny(pl.LightningModule):
@@ -56,12 +41,12 @@ def _trainer(tmp_path, logger, max_steps: int, callbacks) -> pl.Trainer:
     )  # fmt: skip
 
 
-def _val_steps(logger: RecordingLogger) -> list[int]:
+def _val_steps(logger) -> list[int]:
     return [step for step, metrics in logger.records if "val/score" in metrics]
 
 
 def test_validation_is_logged_at_step_zero_before_the_first_update(tmp_path) -> None:
-    logger, module, callback = RecordingLogger(), Tiny(), ValidateAtStart()
+    logger, module, callback = recording_logger(), Tiny(), ValidateAtStart()
     _trainer(tmp_path, logger, 4, [callback]).fit(module)
     assert callback.ran
     # Lightning logs a validation run after k updates at x = k - 1 (its batch index); the one before any is at 0
@@ -70,19 +55,19 @@ def test_validation_is_logged_at_step_zero_before_the_first_update(tmp_path) -> 
 
 
 def test_without_the_callback_lightning_starts_at_the_first_interval(tmp_path) -> None:
-    logger = RecordingLogger()
+    logger = recording_logger()
     _trainer(tmp_path, logger, 4, []).fit(Tiny())
     assert _val_steps(logger) == [1, 3]
 
 
 def test_disabled_and_resumed_runs_skip_it(tmp_path) -> None:
-    logger = RecordingLogger()
+    logger = recording_logger()
     _trainer(tmp_path, logger, 2, [ValidateAtStart(enabled=False)]).fit(Tiny())
     assert _val_steps(logger) == [1]
-    first = _trainer(tmp_path, RecordingLogger(), 2, [ValidateAtStart()])
+    first = _trainer(tmp_path, recording_logger(), 2, [ValidateAtStart()])
     module = Tiny()
     first.fit(module)
     first.save_checkpoint(tmp_path / "step2.ckpt")
-    resumed_logger, callback = RecordingLogger(), ValidateAtStart()
+    resumed_logger, callback = recording_logger(), ValidateAtStart()
     _trainer(tmp_path, resumed_logger, 4, [callback]).fit(Tiny(), ckpt_path=tmp_path / "step2.ckpt")
     assert not callback.ran and len(_val_steps(resumed_logger)) == 1  # the step-4 validation only
