@@ -3,9 +3,10 @@
 A `ScriptedPolicy` plays one question: called with the tool observations received so far, it returns the next
 assistant text in exactly the format the agent parses (`<think>...</think>` then a `<tool_call>` JSON block, or
 `<answer>...</answer>`). The correct policy *reads* the observations: it only states a fact (and moves to the next
-hop) when the retrieved text contains it, so it stays honest under real BM25 results and never teaches answering
-from memory. A configurable share of policies is imperfect (answer without searching, stop one hop early, pick a
-wrong entity from the passages, emit a malformed call), so that the warm-started model leaves room for RL.
+hop) when a retrieved sentence states it, quoting that sentence, so it stays honest under real BM25 results and never
+teaches answering from memory. A configurable share of policies is imperfect (answer without searching, stop one
+hop early, pick a wrong entity from the passages, emit a malformed call), so that the warm-started model leaves room
+for RL.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ ANSWER_TYPE = {"born_in": "city", "founded_by": "person", "country": "country", 
 RELATION_PHRASE = {"born_in": "birthplace", "founded_by": "founder", "country": "country", "capital": "capital"}
 RELATION_PHRASE |= {"city": "city"}
 _NAME = re.compile(r"[A-Z][a-z]+(?: [A-Z][a-z]+)*")
+_DOC_HEADER = re.compile(r"Doc \d+ \(Title: [^)]*\)\s*")  # the agent's passage prefix (dspo.rollout.agent)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
 def tool_call_text(query: str, think: str, tag_format: str = "qwen") -> str:
@@ -73,20 +76,22 @@ class ScriptedPolicy:
         """Correct behaviour (and the base of wrong_hop / distractor): one search per hop, reading each result."""
         entity = chain[0]
         for step, rel in enumerate(relations):
-            if step >= len(observations):
+            if step >= len(observations):  # only the first search: later ones follow the evidence (below)
                 return tool_call_text(entity, _plan(relations[step:], entity), self.tag_format)
             value = self.world[entity][rel]
-            if not _states(observations[step], entity, value):
+            fact = evidence(observations[step], entity, value)
+            if fact is None:  # the passage was not retrieved: say so, never answer from memory
                 return answer_text(self._guess(rel), f"The results do not say the {RELATION_PHRASE[rel]} of {entity}.")
-            fact = f"The {RELATION_PHRASE[rel]} of {entity} is {value}."
             last = step == len(relations) - 1
             if self.kind == "wrong_hop" and len(relations) > 1:
                 return answer_text(value, fact)  # stops one hop early
             if last and self.kind in ("wrong_hop", "distractor"):
                 wrong = self._other_name(observations[step], exclude={entity, value}) or self._guess(rel)
-                return answer_text(wrong, f"The {RELATION_PHRASE[rel]} of {entity} is {wrong}.")
+                return answer_text(wrong, fact.replace(value, wrong))  # misreads the name
             if last:
                 return answer_text(value, fact)
+            if step + 1 >= len(observations):
+                return tool_call_text(value, f"{fact} {_plan(relations[step + 1 :], value)}", self.tag_format)
             entity = value
         raise AssertionError("unreachable: every relation step returns")
 
@@ -109,16 +114,26 @@ class ScriptedPolicy:
 
 def _plan(relations: Sequence[str], entity: str) -> str:
     """The thought before a search: every hop still to go, outermost first ("I need the country of the birthplace of
-    X."), so the turn after a passage can see from its own plan whether another hop is due. The final thought states
-    only the last fact read, not the whole chain: the shorter the text a tiny model writes, the fewer names it garbles
-    (measured: sampled 2-hop answers failed mostly inside a restated chain)."""
+    X."), so the turn after a passage can see from its own plan whether another hop is due. After a passage the
+    thought quotes its evidence (`evidence`) and, when a hop is left, plans the rest: the final thought never restates
+    the whole chain (measured: sampled 2-hop answers failed mostly inside a restated chain)."""
     phrases = " of the ".join(RELATION_PHRASE[rel] for rel in reversed(relations))
     return f"I need the {phrases} of {entity}."
 
 
-def _states(observation: str, entity: str, value: str) -> bool:
-    """True when the observation mentions both the entity and the fact's value (its passage was retrieved)."""
-    return entity in observation and value in observation
+def evidence(observation: str, entity: str, value: str) -> str | None:
+    """The sentence of `observation` that states the fact (names both `entity` and `value`), quoted as retrieved;
+    None when no sentence does (the entity's passage was not retrieved).
+
+    Every turn after a passage starts by quoting it, and the answer is the name the quote gives. An earlier design wrote
+    "The {relation} of {entity} is {value}." instead: the tiny model then had to pick the relation's phrase itself, and
+    after two searches it wrote the first hop's ("The birthplace of <city>.") in 123 of 138 sampled 2-hop rollouts
+    (measured) and answered the city. A quote is copied, not composed."""
+    text = _DOC_HEADER.sub("\n", observation)
+    for sentence in _SENTENCE_END.split(text):
+        if entity in sentence and value in sentence:
+            return sentence.strip()
+    return None
 
 
 def choose_kind(rng: random.Random, imperfect_share: float, hops: int, early_stop_share: float = 0.0) -> str:

@@ -10,7 +10,8 @@ It composes the train config (so the world, vocabulary, warm-start recipe and ag
 `report.json` to the output. The report holds, per question type (1-hop, 2-hop):
 - `train_sampled`: the share of sampled trajectories that answer *training* questions (entities the warm start never
   saw) at the RL temperature, G per question: the rate at which RL's groups will be mixed;
-- `val_greedy`: greedy subEM on the validation questions (what step 0 of a run's validation logs).
+- `val_greedy`: greedy subEM on the validation questions (what step 0 of a run's validation logs);
+- `train_2hop_outcomes`: where the sampled 2-hop rollouts go (`two_hop_outcome`), as shares.
 """
 
 from __future__ import annotations
@@ -46,6 +47,32 @@ def rebuild(workdir: str, overrides: list[str]) -> tuple[object, str]:
     return instantiate(cfg.prepare.toyworld)
 
 
+TWO_HOP_OUTCOMES = (
+    "no_search", "one_search_answered_intermediate", "one_search_other", "two_searches_right", "two_searches_wrong",
+)  # fmt: skip
+
+
+def two_hop_outcome(trajectory, intermediate: str) -> str:
+    """Which of TWO_HOP_OUTCOMES a 2-hop rollout is: how many searches it made, and for one search, whether it answered
+    the intermediate entity (`intermediate`, the name the first hop leads to: what a model that stops early answers)."""
+    if trajectory.num_search_calls == 0:
+        return "no_search"
+    if trajectory.num_search_calls == 1:
+        stopped_early = trajectory.answer is not None and trajectory.answer.strip() == intermediate
+        return "one_search_answered_intermediate" if stopped_early else "one_search_other"
+    return "two_searches_right" if trajectory.reward > 0 else "two_searches_wrong"
+
+
+def build_world(workdir: str, overrides: list[str]):
+    """Only the toy world of the train config, under `workdir/world` (what `--report` needs: no tokenizer, no SFT)."""
+    from hydra.utils import instantiate
+
+    from dspo.toy.world import build_toyworld
+
+    cfg = compose_train([f"paths.toy_root={workdir}", *overrides])
+    return build_toyworld(str(Path(workdir) / "world"), instantiate(cfg.prepare.toyworld.world_config))
+
+
 def measure(model_dir: str, world, overrides: list[str], questions: int = 200, group_size: int = 5) -> dict:
     """Per question type: sampled success on `questions` train questions (G=`group_size`, the RL temperature, vLLM)
     and greedy subEM on the validation questions. Deterministic for a given machine (seeded engine)."""
@@ -61,11 +88,13 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     agent = SearchAgent(engine, load_tokenizer(model_dir), toy_retriever(world), instantiate(cfg.rollout.agent))
     report: dict[str, dict[str, float]] = {"train_sampled": {}, "val_greedy": {}, "train_mixed_groups": {}}
     train = load_qa(world.train, benchmark="toy", limit=questions)
-    rewards, mixed = defaultdict(list), defaultdict(list)
+    rewards, mixed, outcomes = defaultdict(list), defaultdict(list), []
     for group in agent.rollout(train, group_size=group_size, policy_version=0, seed=1234):
         values = [t.reward for t in group.trajectories]
         rewards[group.item.metadata["hops"]] += values
         mixed[group.item.metadata["hops"]].append(0 < sum(values) < len(values))
+        if group.item.metadata["hops"] == 2:
+            outcomes += [two_hop_outcome(t, group.item.metadata["chain"][1]) for t in group.trajectories]
     val = load_qa(world.val, benchmark="toy")
     greedy = defaultdict(list)
     for group in agent.rollout(val, group_size=1, policy_version=0, greedy=True):
@@ -74,6 +103,8 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
         report["train_sampled"][f"{hops}hop"] = round(sum(rewards[hops]) / len(rewards[hops]), 4)
         report["train_mixed_groups"][f"{hops}hop"] = round(sum(mixed[hops]) / len(mixed[hops]), 4)
         report["val_greedy"][f"{hops}hop"] = round(sum(greedy[hops]) / len(greedy[hops]), 4)
+    if outcomes:
+        report["train_2hop_outcomes"] = {k: round(outcomes.count(k) / len(outcomes), 4) for k in TWO_HOP_OUTCOMES}
     report["settings"] = {"train_questions": len(train), "group_size": group_size, "val_questions": len(val)}
     return report
 
@@ -102,13 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     quiet_console()
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="dspo_toy_rebuild_")
-    start = time.perf_counter()
-    world, model_dir = rebuild(workdir, args.overrides)  # cached in workdir: a --report run reuses the world
     if args.report is not None:
         if not (Path(args.report) / "config.json").is_file():
             parser.error(f"--report {args.report}: not a model folder (no config.json)")
+        world = build_world(workdir, args.overrides)
         print(json.dumps(measure(args.report, world, args.overrides, args.questions), indent=2))
         return
+    start = time.perf_counter()
+    world, model_dir = rebuild(workdir, args.overrides)
     report = measure(model_dir, world, args.overrides, args.questions)
     report["build_seconds"] = round(time.perf_counter() - start, 1)
     ship(workdir, Path(args.output), report)

@@ -83,6 +83,10 @@ class WarmStartConfig:
     # extra copies of the demonstrations with every demo entity renamed at random (dspo.toy.renaming): without them
     # the model recalled memorized name completions instead of copying names from passages (measured)
     demo_renamings: int = 7
+    # more renamed copies of the 2-hop demonstrations only: the turn after a second search (copying a country name read
+    # two passages in) was what the warm start got wrong most often (measured), and the demo split's entities support
+    # only ~430 distinct 2-hop questions, so more practice there has to come from fresh names
+    hop2_renamings: int = 0
     hidden_size: int = 192
     num_layers: int = 3
     num_heads: int = 3
@@ -266,6 +270,13 @@ def warm_start(
             renamed, meta, tokenizer, index, config.imperfect_share, config.seed + 1 + copy, config.agent,
             config.early_stop_share,
         )  # fmt: skip
+    hop2_items = [item for item in items if int(item.metadata["hops"]) > 1]
+    for copy in range(config.hop2_renamings if hop2_items else 0):
+        meta, index, renamed = renamed_world(world_meta, passages, hop2_items, fresh_names(world_meta, pieces, rng))
+        seed = config.seed + 1 + config.demo_renamings + copy
+        demos += render_demonstrations(
+            renamed, meta, tokenizer, index, config.imperfect_share, seed, config.agent, config.early_stop_share
+        )
     rendered = time.perf_counter()
     name_ids = set(tokenizer.convert_tokens_to_ids(words))
     stages = [

@@ -9,7 +9,7 @@ import pytest
 from dspo.rewards import extract_answer, subem_reward
 from dspo.rollout.parsing import parse_qwen_tool_call
 from dspo.search.bm25 import BM25Index
-from dspo.toy.demos import CORRECT, IMPERFECT_KINDS, ScriptedPolicy, choose_kind, make_script
+from dspo.toy.demos import CORRECT, IMPERFECT_KINDS, ScriptedPolicy, choose_kind, evidence, make_script
 from dspo.toy.world import ToyWorldConfig, generate_world
 from dspo.types import Passage, QAItem
 
@@ -29,9 +29,11 @@ def setup():
     return ents, index, items
 
 
-def _play(policy: ScriptedPolicy, index: BM25Index, max_turns: int = 4) -> tuple[list[str], str | None]:
+def _play(
+    policy: ScriptedPolicy, index: BM25Index, max_turns: int = 4, observations: list[str] | None = None
+) -> tuple[list[str], str | None]:
     """A minimal agent loop: parse each turn with the agent's parser, search, format `Doc i (Title: t) text`."""
-    turns, observations = [], []
+    turns, observations = [], [] if observations is None else observations
     for _ in range(max_turns):
         text = policy(observations)
         turns.append(text)
@@ -56,6 +58,46 @@ def test_correct_policy_answers_every_question(setup) -> None:
         for t in turns[:-1]:
             assert t.startswith("<think>") and t.endswith("</tool_call>")
             assert parse_qwen_tool_call(t, 3, 200).ok
+
+
+def _thought(turn: str) -> str:
+    return turn.split("<think>", 1)[1].split("</think>", 1)[0]
+
+
+def test_turns_after_a_passage_quote_its_evidence_then_plan_the_rest(setup) -> None:
+    ents, index, items = setup
+    item = next(i for i in items if i.metadata["hops"] == 2 and i.metadata["relations"] == ["born_in", "country"])
+    person, city = item.metadata["chain"]
+    observations: list[str] = []
+    turns, answer = _play(ScriptedPolicy(item, ents, CORRECT, random.Random(0)), index, observations=observations)
+    assert _thought(turns[0]) == f"I need the country of the birthplace of {person}."
+    quote, plan = _thought(turns[1]).split(". ", 1)
+    assert quote + "." in observations[0] and person in quote and city in quote  # a sentence of the passage
+    assert plan == f"I need the country of {city}."
+    final = _thought(turns[2])
+    assert final in observations[1] and final.startswith(city) and final.endswith(f"{answer}.")
+    assert answer == item.golden_answers[0]
+    early, _ = _play(ScriptedPolicy(item, ents, "wrong_hop", random.Random(0)), index)
+    assert early[1] == f"<think>{quote}.</think>\n<answer>{city}</answer>"
+
+
+def test_evidence_is_the_sentence_naming_entity_and_value() -> None:
+    observation = (
+        "Doc 1 (Title: Kozan Tower) The Kozan Tower stands in Lipindale. It was designed by Jatun Soma.\n"
+        "Doc 2 (Title: Jatun Soma) Jatun Soma works as a poet. Jatun Soma was born in Lipindale.\n"
+        "(You have one turn left: give your final answer now.)"
+    )
+    assert evidence(observation, "Jatun Soma", "Lipindale") == "Jatun Soma was born in Lipindale."
+    assert evidence(observation, "Lipindale", "Sarunstan") is None  # named in different passages: not stated
+
+
+def test_distractor_quotes_the_evidence_with_the_wrong_name(setup) -> None:
+    ents, index, items = setup
+    item = next(i for i in items if i.metadata["hops"] == 1 and i.metadata["relations"] == ["country"])
+    turns, answer = _play(ScriptedPolicy(item, ents, "distractor", random.Random(3)), index)
+    passage = "\n".join(p.text for p in index.search([item.metadata["chain"][0]], 3)[0])
+    quoted = evidence(passage, item.metadata["chain"][0], item.golden_answers[0])
+    assert answer != item.golden_answers[0] and _thought(turns[-1]) == quoted.replace(item.golden_answers[0], answer)
 
 
 def test_correct_policy_does_not_answer_unread_facts(setup) -> None:

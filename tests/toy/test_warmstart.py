@@ -26,7 +26,7 @@ from dspo.toy.world import load_world_meta
 
 SMALL = WarmStartConfig(
     num_demos=16, hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128, steps=3, batch_size=4,
-    recall_curriculum=[[1, 2], [2, 1]], recall_batch_size=4, warmup_steps=1,
+    recall_curriculum=[[1, 2], [2, 1]], recall_batch_size=4, warmup_steps=1, hop2_renamings=1,
 )  # fmt: skip
 
 
@@ -71,7 +71,11 @@ def test_warm_start_writes_loadable_cached_model(toy, tmp_path, monkeypatch) -> 
     monkeypatch.setattr("dspo.toy.warmstart.render_demonstrations", spy)
     out = warm_start(str(tmp_path / "model"), world, tok_dir, SMALL)
     meta = load_world_meta(world)
-    assert len(calls) == 1 + SMALL.demo_renamings  # the demo split as built, then its renamed copies
+    # the demo split as built, its renamed copies, then renamed copies of its 2-hop questions only
+    assert len(calls) == 1 + SMALL.demo_renamings + SMALL.hop2_renamings
+    two_hop = [item for item in calls[0][0] if item.metadata["hops"] == 2]
+    assert two_hop and all(len(items) == len(two_hop) for items, _ in calls[1 + SMALL.demo_renamings :])
+    assert all(item.metadata["hops"] == 2 for items, _ in calls[1 + SMALL.demo_renamings :] for item in items)
     unseen = {name for name, entity in meta.items() if entity["split"] != "demo"}
     for items, call_meta in calls:
         chains = {name for item in items for name in item.metadata["chain"]}
@@ -84,7 +88,8 @@ def test_warm_start_writes_loadable_cached_model(toy, tmp_path, monkeypatch) -> 
     assert model.config.head_dim == 64 and model.config.vocab_size >= len(tokenizer)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     stats = json.loads((Path(out) / MANIFEST).read_text())["stats"]
-    assert stats["demos"] == 16 * (1 + SMALL.demo_renamings) and stats["final_loss"] < stats["first_loss"]
+    expected_demos = 16 * (1 + SMALL.demo_renamings) + len(two_hop) * SMALL.hop2_renamings
+    assert stats["demos"] == expected_demos and stats["final_loss"] < stats["first_loss"]
     weights = Path(out) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert warm_start(out, world, tok_dir, SMALL) == out and weights.stat().st_mtime_ns == stamp  # cached

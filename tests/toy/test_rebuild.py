@@ -1,0 +1,37 @@
+"""`python -m dspo.toy.rebuild`'s report: how a sampled 2-hop rollout is classified."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspo.toy.rebuild import TWO_HOP_OUTCOMES, two_hop_outcome
+from dspo.types import Trajectory
+
+
+def _rollout(searches: int, answer: str | None, reward: float) -> Trajectory:
+    return Trajectory([1], [2], [1], [0.0], reward=reward, answer=answer, num_search_calls=searches)
+
+
+@pytest.mark.parametrize(
+    ("searches", "answer", "reward", "expected"),
+    [
+        (0, "Sarunstan", 1.0, "no_search"),  # a lucky guess is still a guess
+        (1, " Lipindale ", 0.0, "one_search_answered_intermediate"),
+        (1, "Lipindaleburg", 0.0, "one_search_other"),
+        (1, None, 0.0, "one_search_other"),
+        (2, "Sarunstan", 1.0, "two_searches_right"),
+        (3, "Lipindale", 0.0, "two_searches_wrong"),
+    ],
+)
+def test_two_hop_outcome(searches, answer, reward, expected) -> None:
+    assert two_hop_outcome(_rollout(searches, answer, reward), intermediate="Lipindale") == expected
+    assert expected in TWO_HOP_OUTCOMES
+
+
+def test_report_refuses_a_folder_without_a_model(tmp_path, capsys) -> None:
+    from dspo.toy.rebuild import main
+
+    with pytest.raises(SystemExit):
+        main(["--report", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    assert f"--report {tmp_path}: not a model folder (no config.json)" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # refused before building anything
