@@ -24,8 +24,12 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dspo.resources import data_dir
+
+if TYPE_CHECKING:  # heavy imports stay inside the functions that need them (start-up of --help)
+    from dspo.types import Trajectory
 
 SHIPPED = "toy_warmstart"
 
@@ -52,7 +56,7 @@ TWO_HOP_OUTCOMES = (
 )  # fmt: skip
 
 
-def two_hop_outcome(trajectory, intermediate: str) -> str:
+def two_hop_outcome(trajectory: Trajectory, intermediate: str) -> str:
     """Which of TWO_HOP_OUTCOMES a 2-hop rollout is: how many searches it made, and for one search, whether it answered
     the intermediate entity (`intermediate`, the name the first hop leads to: what a model that stops early answers)."""
     if trajectory.num_search_calls == 0:

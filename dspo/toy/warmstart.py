@@ -264,19 +264,15 @@ def warm_start(
     )
     passages = load_corpus(world.corpus)
     rng = random.Random(config.seed)
-    for copy in range(config.demo_renamings):  # the same demo facts under fresh names (dspo.toy.renaming)
-        meta, index, renamed = renamed_world(world_meta, passages, items, fresh_names(world_meta, pieces, rng))
+    hop2_items = [item for item in items if int(item.metadata["hops"]) > 1]
+    # the same demo facts under fresh names (dspo.toy.renaming): every question, then the 2-hop ones only
+    copies = [items] * config.demo_renamings + ([hop2_items] * config.hop2_renamings if hop2_items else [])
+    for copy, subset in enumerate(copies):
+        meta, index, renamed = renamed_world(world_meta, passages, subset, fresh_names(world_meta, pieces, rng))
         demos += render_demonstrations(
             renamed, meta, tokenizer, index, config.imperfect_share, config.seed + 1 + copy, config.agent,
             config.early_stop_share,
         )  # fmt: skip
-    hop2_items = [item for item in items if int(item.metadata["hops"]) > 1]
-    for copy in range(config.hop2_renamings if hop2_items else 0):
-        meta, index, renamed = renamed_world(world_meta, passages, hop2_items, fresh_names(world_meta, pieces, rng))
-        seed = config.seed + 1 + config.demo_renamings + copy
-        demos += render_demonstrations(
-            renamed, meta, tokenizer, index, config.imperfect_share, seed, config.agent, config.early_stop_share
-        )
     rendered = time.perf_counter()
     name_ids = set(tokenizer.convert_tokens_to_ids(words))
     stages = [
