@@ -14,6 +14,15 @@ def test_extract_last_answer():
     assert extract_answer("<answer></answer>") == ""
 
 
+def test_an_unclosed_answer_does_not_extend_the_final_one():
+    """An `<answer>` left open in an early turn, then a search and a final answer (the model's turns joined): only the
+    final answer counts, so naming the intermediate entity on the way earns nothing."""
+    turns = "<answer>Lipinton.</think>\n<search> Lipinton </search><think>Lipinton is in Fouloia.</think>\n"
+    assert extract_answer(turns + "<answer>Fouloia</answer>") == "Fouloia"
+    assert _reward(turns + "<answer>Fouloia</answer>", ["Lipinton"]) == 0.0
+    assert extract_answer("<answer>a <answer> b </answer> <answer>c</answer> <answer>d") == "c"
+
+
 def _reward(text: str, golds, max_answer_words=None) -> float:
     return subem_reward(extract_answer(text), golds, max_answer_words)
 
@@ -28,10 +37,10 @@ def test_subem_normalizes_and_matches_substring():
 
 
 def test_reward_and_evaluation_score_the_same_extracted_answer():
-    """Issue 20 (3): one extractor (Search-R1's: last non-greedy span), scored as is by reward and evaluation."""
-    text = "<answer>I think <answer>Paris</answer>"
+    """Issue 20 (3): one extractor, scored as is by reward and evaluation."""
+    text = "<answer>Lyon <answer>Paris</answer>"
     answer = extract_answer(text)
-    assert answer == "I think <answer>Paris"
+    assert answer == "Paris"
     trajectory = Trajectory([1], [2], [1], [0.0], reward=subem_reward(answer, ["Paris"]), answer=answer)
     item = QAItem(id="0", question="capital of France?", golden_answers=["Paris"])
     prediction = Prediction.from_group(RolloutGroup(item=item, trajectories=[trajectory]))

@@ -122,8 +122,11 @@ def _plan(relations: Sequence[str], entity: str) -> str:
 
 
 def evidence(observation: str, entity: str, value: str) -> str | None:
-    """The sentence of `observation` that states the fact (names both `entity` and `value`), quoted as retrieved;
-    None when no sentence does (the entity's passage was not retrieved).
+    """The sentence of `observation` that states the fact (names both `entity` and `value`), quoted as retrieved up to
+    the later of the two names ("X was founded by Y in 1998." -> "X was founded by Y."); None when no sentence does
+    (the entity's passage was not retrieved). The cut keeps the name the next turn needs at the end of the quote:
+    with the year after it, the stop-24 warm start got 1 of 120 sampled founder->birthplace rollouts right
+    (measured: it garbled the year or the name, then the format).
 
     Every turn after a passage starts by quoting it, and the answer is the name the quote gives. An earlier design wrote
     "The {relation} of {entity} is {value}." instead: the tiny model then had to pick the relation's phrase itself, and
@@ -132,21 +135,39 @@ def evidence(observation: str, entity: str, value: str) -> str | None:
     text = _DOC_HEADER.sub("\n", observation)
     for sentence in _SENTENCE_END.split(text):
         if entity in sentence and value in sentence:
-            return sentence.strip()
+            end = max(sentence.index(entity) + len(entity), sentence.index(value) + len(value))
+            return sentence[:end].strip().rstrip(",;") + "."
     return None
 
 
-def choose_kind(rng: random.Random, imperfect_share: float, hops: int, early_stop_share: float = 0.0) -> str:
+def check_imperfect_kinds(kinds: Sequence[str]) -> tuple[str, ...]:
+    """`kinds` as a tuple, or ValueError naming the unknown ones."""
+    unknown = [kind for kind in kinds if kind not in IMPERFECT_KINDS]
+    if unknown:
+        raise ValueError(f"imperfect_kinds: unknown {unknown}; choose from {list(IMPERFECT_KINDS)}")
+    return tuple(kinds)
+
+
+def choose_kind(
+    rng: random.Random,
+    imperfect_share: float,
+    hops: int,
+    early_stop_share: float = 0.0,
+    imperfect_kinds: Sequence[str] = IMPERFECT_KINDS,
+) -> str:
     """Multi-hop questions: `wrong_hop` (answer after the first search) with probability `early_stop_share`.
-    Otherwise `correct` with probability 1 - imperfect_share, else a uniformly drawn imperfect kind."""
+    Otherwise `correct` with probability 1 - imperfect_share, else a kind drawn uniformly from `imperfect_kinds`
+    (`wrong_hop` only for multi-hop questions: a 1-hop question has no hop to stop before; `correct` when none is
+    left)."""
     for name, share in (("imperfect_share", imperfect_share), ("early_stop_share", early_stop_share)):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {share}")
+    kinds = [kind for kind in check_imperfect_kinds(imperfect_kinds) if hops > 1 or kind != "wrong_hop"]
     if hops > 1 and rng.random() < early_stop_share:
         return "wrong_hop"
-    if rng.random() >= imperfect_share:
+    if rng.random() >= imperfect_share or not kinds:
         return CORRECT
-    return rng.choice(IMPERFECT_KINDS)
+    return rng.choice(kinds)
 
 
 def make_script(
@@ -156,17 +177,22 @@ def make_script(
     imperfect_share: float,
     tag_format: str = "qwen",
     early_stop_share: float = 0.0,
+    imperfect_kinds: Sequence[str] = IMPERFECT_KINDS,
+    hop2_imperfect_share: float | None = None,
 ) -> ScriptedPolicy:
     """The scripted policy for `item` (a toy-world question; its metadata holds `chain` and `relations`).
 
-    `world_meta` is `dspo.toy.world.load_world_meta(files)`. The policy's kind is drawn from `rng` (`choose_kind`).
+    `world_meta` is `dspo.toy.world.load_world_meta(files)`. The policy's kind is drawn from `rng` (`choose_kind`),
+    with `hop2_imperfect_share` instead of `imperfect_share` for multi-hop questions when it is given.
     """
     meta = item.metadata
     if "relations" not in meta or "chain" not in meta:
         raise ValueError(
             f"make_script: item {item.id!r} has no toy-world metadata (chain/relations); not a toy question"
         )
-    kind = choose_kind(rng, imperfect_share, int(meta["hops"]), early_stop_share)
+    hops = int(meta["hops"])
+    share = imperfect_share if hop2_imperfect_share is None or hops == 1 else hop2_imperfect_share
+    kind = choose_kind(rng, share, hops, early_stop_share, imperfect_kinds)
     return ScriptedPolicy(
         item=item, world=world_meta, kind=kind, rng=random.Random(rng.random()), tag_format=tag_format
     )

@@ -30,6 +30,7 @@ import json
 import random
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from dspo.rollout.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
 from dspo.rollout.scripted import ScriptedEngine
 from dspo.search.bm25 import BM25Index, build_or_load_index
 from dspo.search.corpus import load_corpus
-from dspo.toy.demos import make_script
+from dspo.toy.demos import IMPERFECT_KINDS, check_imperfect_kinds, make_script
 from dspo.toy.drills import recall_examples
 from dspo.toy.model import build_tiny_model
 from dspo.toy.renaming import fresh_names, renamed_world
@@ -76,9 +77,16 @@ class WarmStartConfig:
     seed: int = 0
     imperfect_share: float = 0.3
     # 2-hop demonstrations that answer after the first search (the intermediate entity), as instruct models often
-    # stop searching too early on multi-hop questions. Above 0.5, greedy decoding stops early, sampling does not always:
-    # RL has to learn the second hop from the groups where it was taken.
+    # stop searching too early on multi-hop questions. At 0.5 greedy decoding stopped early on nearly every 2-hop
+    # validation question while 42 % of sampled 2-hop rollouts searched twice (measured): RL has to learn the second
+    # hop from the groups where it was taken.
     early_stop_share: float = 0.0
+    # what an imperfect demonstration does (dspo.toy.demos.IMPERFECT_KINDS), drawn uniformly
+    imperfect_kinds: list = field(default_factory=lambda: list(IMPERFECT_KINDS))
+    # imperfect_share for multi-hop questions (None = the same). With 0.3-0.4 for both, the warm start skipped the
+    # search in 32-53 % of sampled 2-hop rollouts, ~1.5x its demonstrations' share (measured); the early stops
+    # already leave 2-hop questions room for RL
+    hop2_imperfect_share: float | None = None
     num_demos: int | None = None  # None = every demo-split question (entities RL and evaluation never see)
     # extra copies of the demonstrations with every demo entity renamed at random (dspo.toy.renaming): without them
     # the model recalled memorized name completions instead of copying names from passages (measured)
@@ -110,6 +118,13 @@ class WarmStartConfig:
     name_loss_weight: float = 5.0
     torch_threads: int | None = None  # None = leave torch's setting alone
     agent: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.imperfect_kinds = list(check_imperfect_kinds(self.imperfect_kinds))
+        for name in ("imperfect_share", "early_stop_share", "hop2_imperfect_share"):
+            share = getattr(self, name)
+            if share is not None and not 0.0 <= share <= 1.0:
+                raise ValueError(f"WarmStartConfig.{name} must be in [0, 1], got {share}")
 
 
 def _digest(obj: object) -> str:
@@ -157,7 +172,8 @@ def build_toy_tokenizer(
     The world's name words are one id each (shared by all splits), so an unseen validation name is a new combination
     of trained ids and copying it is copying 1-3 ids."""
     out = Path(output_dir)
-    key = {"world": _file_digest(world.corpus) + _file_digest(world.demo), "vocab_size": vocab_size, "version": 3}
+    # version: bumped when tokenizer_texts changes (4: quotes cut after the later name, dspo.toy.demos.evidence)
+    key = {"world": _file_digest(world.corpus) + _file_digest(world.demo), "vocab_size": vocab_size, "version": 4}
     manifest = _read_manifest(out / "dspo_tokenizer.json")
     if manifest == key and (out / "tokenizer.json").is_file():
         return str(out)
@@ -186,11 +202,18 @@ def render_demonstrations(
     seed: int = 0,
     agent_overrides: dict | None = None,
     early_stop_share: float = 0.0,
+    imperfect_kinds: Sequence[str] = IMPERFECT_KINDS,
+    hop2_imperfect_share: float | None = None,
 ) -> list[Trajectory]:
     """One scripted trajectory per item, rendered by `SearchAgent` with a `ScriptedEngine` (exact ids and masks)."""
     rng = random.Random(seed)
     tag_format = (agent_overrides or {}).get("tag_format", "qwen")
-    scripts = [make_script(item, world_meta, rng, imperfect_share, tag_format, early_stop_share) for item in items]
+    scripts = [
+        make_script(
+            item, world_meta, rng, imperfect_share, tag_format, early_stop_share, imperfect_kinds, hop2_imperfect_share
+        )
+        for item in items
+    ]
 
     def script(prompt_text: str, turn: int, index: int) -> str:
         return scripts[index](observations_in(prompt_text))
@@ -261,6 +284,8 @@ def warm_start(
         config.seed,
         config.agent,
         config.early_stop_share,
+        config.imperfect_kinds,
+        config.hop2_imperfect_share,
     )
     passages = load_corpus(world.corpus)
     rng = random.Random(config.seed)
@@ -271,7 +296,7 @@ def warm_start(
         meta, index, renamed = renamed_world(world_meta, passages, subset, fresh_names(world_meta, pieces, rng))
         demos += render_demonstrations(
             renamed, meta, tokenizer, index, config.imperfect_share, config.seed + 1 + copy, config.agent,
-            config.early_stop_share,
+            config.early_stop_share, config.imperfect_kinds, config.hop2_imperfect_share,
         )  # fmt: skip
     rendered = time.perf_counter()
     name_ids = set(tokenizer.convert_tokens_to_ids(words))

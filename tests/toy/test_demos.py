@@ -91,6 +91,17 @@ def test_evidence_is_the_sentence_naming_entity_and_value() -> None:
     assert evidence(observation, "Lipindale", "Sarunstan") is None  # named in different passages: not stated
 
 
+def test_evidence_is_cut_after_the_later_of_the_two_names() -> None:
+    company = "Doc 1 (Title: Kadrou Corp) Kadrou Corp was founded by Moudrork Ledrend in 1998. It employs 7,690 people."
+    assert evidence(company, "Kadrou Corp", "Moudrork Ledrend") == "Kadrou Corp was founded by Moudrork Ledrend."
+    assert evidence(company, "Moudrork Ledrend", "Kadrou Corp") == "Kadrou Corp was founded by Moudrork Ledrend."
+    born = "Doc 1 (Title: Jatun Soma) Born in Lipindale, Jatun Soma grew up there."
+    assert evidence(born, "Jatun Soma", "Lipindale") == "Born in Lipindale, Jatun Soma."
+    assert evidence("Born in Lipindale, Jatun Soma grew up there.", "Lipindale", "Jatun Soma") == (
+        "Born in Lipindale, Jatun Soma."
+    )
+
+
 def test_distractor_quotes_the_evidence_with_the_wrong_name(setup) -> None:
     ents, index, items = setup
     item = next(i for i in items if i.metadata["hops"] == 1 and i.metadata["relations"] == ["country"])
@@ -140,3 +151,36 @@ def test_early_stop_share_applies_to_multi_hop_questions_only() -> None:
     assert set(two_hop) == {CORRECT, "wrong_hop"} and 0.55 < two_hop.count("wrong_hop") / 1000 < 0.65
     with pytest.raises(ValueError, match="early_stop_share"):
         choose_kind(rng, 0.0, 2, early_stop_share=-0.1)
+
+
+def test_imperfect_kinds_are_drawn_from_the_configured_ones() -> None:
+    rng = random.Random(0)
+    one_hop = [choose_kind(rng, 1.0, 1) for _ in range(600)]
+    assert set(one_hop) == set(IMPERFECT_KINDS) - {"wrong_hop"}  # a 1-hop question has no hop to stop before
+    assert min(one_hop.count(kind) for kind in set(one_hop)) > 150  # uniform over the three
+    two_hop = [choose_kind(rng, 1.0, 2, imperfect_kinds=["no_search", "wrong_hop"]) for _ in range(400)]
+    assert set(two_hop) == {"no_search", "wrong_hop"}
+    assert {choose_kind(rng, 1.0, 1, imperfect_kinds=["wrong_hop"]) for _ in range(50)} == {CORRECT}
+    assert {choose_kind(rng, 1.0, 2, imperfect_kinds=[]) for _ in range(50)} == {CORRECT}
+    with pytest.raises(ValueError, match=r"imperfect_kinds: unknown \['misread'\]"):
+        choose_kind(rng, 0.5, 1, imperfect_kinds=["misread"])
+
+
+def test_make_script_passes_the_imperfect_kinds_on(setup) -> None:
+    ents, _, items = setup
+    rng = random.Random(0)
+    kinds = {make_script(item, ents, rng, 1.0, imperfect_kinds=["malformed"]).kind for item in items}
+    assert kinds == {"malformed"}
+
+
+def test_hop2_imperfect_share_replaces_the_share_for_multi_hop_questions(setup) -> None:
+    ents, _, items = setup
+    rng = random.Random(0)
+    by_hops = {1: set(), 2: set()}
+    for item in items:
+        by_hops[item.metadata["hops"]].add(make_script(item, ents, rng, 1.0, hop2_imperfect_share=0.0).kind)
+    assert by_hops[2] == {CORRECT} and CORRECT not in by_hops[1]
+    shares = {1: [], 2: []}
+    for item in items * 10:
+        shares[item.metadata["hops"]].append(make_script(item, ents, rng, 0.0, hop2_imperfect_share=0.5).kind)
+    assert set(shares[1]) == {CORRECT} and 0.4 < sum(k != CORRECT for k in shares[2]) / len(shares[2]) < 0.6

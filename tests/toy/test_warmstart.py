@@ -47,6 +47,20 @@ def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
         assert len(observations_in(full)) == item.metadata["hops"]
 
 
+def test_demonstrations_follow_the_configured_imperfect_kinds(toy) -> None:
+    world, tok_dir = toy
+    items = load_qa(world.demo, benchmark="toy", limit=12)
+    demos = render_demonstrations(
+        items, load_world_meta(world), load_tokenizer(tok_dir), toy_retriever(world), imperfect_share=1.0,
+        imperfect_kinds=["no_search"],
+    )  # fmt: skip
+    assert [d.num_search_calls for d in demos] == [0] * len(items)
+    with pytest.raises(ValueError, match=r"imperfect_kinds: unknown \['misread'\]"):
+        WarmStartConfig(imperfect_kinds=["no_search", "misread"])
+    with pytest.raises(ValueError, match=r"WarmStartConfig.hop2_imperfect_share must be in \[0, 1\], got 1.5"):
+        WarmStartConfig(hop2_imperfect_share=1.5)
+
+
 def test_sft_loss_covers_only_masked_targets() -> None:
     torch.manual_seed(0)
     model = torch.nn.Module()
