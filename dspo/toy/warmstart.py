@@ -275,18 +275,14 @@ def warm_start(
     retriever = toy_retriever(world)
     world_meta = load_world_meta(world)
     words, pieces = load_name_words(world), name_pieces(world)
-    demos = render_demonstrations(
-        items,
-        world_meta,
-        tokenizer,
-        retriever,
-        config.imperfect_share,
-        config.seed,
-        config.agent,
-        config.early_stop_share,
-        config.imperfect_kinds,
-        config.hop2_imperfect_share,
-    )
+
+    def render(subset: list[QAItem], meta: dict[str, dict], index: BM25Index, seed: int) -> list[Trajectory]:
+        return render_demonstrations(
+            subset, meta, tokenizer, index, config.imperfect_share, seed, config.agent, config.early_stop_share,
+            config.imperfect_kinds, config.hop2_imperfect_share,
+        )  # fmt: skip
+
+    demos = render(items, world_meta, retriever, config.seed)
     passages = load_corpus(world.corpus)
     rng = random.Random(config.seed)
     hop2_items = [item for item in items if int(item.metadata["hops"]) > 1]
@@ -294,10 +290,7 @@ def warm_start(
     copies = [items] * config.demo_renamings + ([hop2_items] * config.hop2_renamings if hop2_items else [])
     for copy, subset in enumerate(copies):
         meta, index, renamed = renamed_world(world_meta, passages, subset, fresh_names(world_meta, pieces, rng))
-        demos += render_demonstrations(
-            renamed, meta, tokenizer, index, config.imperfect_share, config.seed + 1 + copy, config.agent,
-            config.early_stop_share, config.imperfect_kinds, config.hop2_imperfect_share,
-        )  # fmt: skip
+        demos += render(renamed, meta, index, config.seed + 1 + copy)
     rendered = time.perf_counter()
     name_ids = set(tokenizer.convert_tokens_to_ids(words))
     stages = [
