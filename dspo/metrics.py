@@ -2,6 +2,12 @@
 
 Each metric keeps (sum, count) states reduced by summation, so values are exact across processes (DDP/FSDP) and
 across `update` calls. `benchmark_metrics` builds one collection per benchmark, logged as `<stage>/<benchmark>/<name>`.
+
+One rule for blank answers, shared by the reward (`dspo.rewards`), evaluation (`dspo.eval.pipeline`) and these
+metrics: a missing answer (None) is wrong, and a gold answer that normalizes to the empty string (NQ has `*`, `---`,
+`)`) never matches. Departure from FlashRAG / Search-R1, whose scorers count such a gold as found in any prediction
+(`"" in pred`), so a question whose only gold is `*` is "answered" by anything, even by no answer. `dspo.data.qa`
+drops such golds at load and skips the questions left without one, with a count in the log.
 """
 
 from __future__ import annotations
@@ -29,27 +35,35 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def _as_list(golds: str | Sequence[str]) -> list[str]:
-    return [golds] if isinstance(golds, str) else list(golds)
+def normalized_golds(golds: str | Sequence[str]) -> list[str]:
+    """The gold answers, normalized, without those that normalize to the empty string (they never match)."""
+    golds = [golds] if isinstance(golds, str) else list(golds)
+    return [gold for gold in (normalize_answer(g) for g in golds) if gold]
 
 
-def sub_exact_match(prediction: str, golds: str | Sequence[str]) -> float:
-    """1.0 if some normalized gold answer is a substring of the normalized prediction (DSPO Eq. 4), else 0.0."""
+def sub_exact_match(prediction: str | None, golds: str | Sequence[str]) -> float:
+    """1.0 if some normalized gold answer is a substring of the normalized prediction (DSPO Eq. 4), else 0.0
+    (always 0.0 for a missing prediction, None)."""
+    if prediction is None:
+        return 0.0
     pred = normalize_answer(prediction)
-    return float(any(normalize_answer(g) in pred for g in _as_list(golds)))
+    return float(any(gold in pred for gold in normalized_golds(golds)))
 
 
-def exact_match(prediction: str, golds: str | Sequence[str]) -> float:
+def exact_match(prediction: str | None, golds: str | Sequence[str]) -> float:
+    if prediction is None:
+        return 0.0
     pred = normalize_answer(prediction)
-    return float(any(normalize_answer(g) == pred for g in _as_list(golds)))
+    return float(any(gold == pred for gold in normalized_golds(golds)))
 
 
-def token_f1(prediction: str, golds: str | Sequence[str]) -> float:
+def token_f1(prediction: str | None, golds: str | Sequence[str]) -> float:
     """Max over golds of token-level F1 (FlashRAG's F1: yes/no/noanswer must match exactly)."""
+    if prediction is None:
+        return 0.0
     pred = normalize_answer(prediction)
     best = 0.0
-    for gold in _as_list(golds):
-        gold = normalize_answer(gold)
+    for gold in normalized_golds(golds):
         if (pred in ("yes", "no", "noanswer") or gold in ("yes", "no", "noanswer")) and pred != gold:
             continue
         pred_tokens, gold_tokens = pred.split(), gold.split()
@@ -75,13 +89,13 @@ class _MeanScore(Metric):
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
     @staticmethod
-    def score(prediction: str, golds: Sequence[str]) -> float:
+    def score(prediction: str | None, golds: Sequence[str]) -> float:
         raise NotImplementedError
 
     def update(self, preds: Sequence[str | None], golds: Sequence[Sequence[str]]) -> None:
         if len(preds) != len(golds):
             raise ValueError(f"{type(self).__name__}.update: {len(preds)} predictions but {len(golds)} gold lists")
-        scores = [self.score(p or "", g) for p, g in zip(preds, golds)]
+        scores = [self.score(p, g) for p, g in zip(preds, golds)]  # None (no answer) scores 0
         self.total += torch.tensor(sum(scores), dtype=torch.float64, device=self.total.device)
         self.count += len(scores)
 

@@ -218,7 +218,7 @@ class DSPOModule(pl.LightningModule):
                     logprobs, ref, batch.loss_mask, self.algo.kl_estimator, token_normalizer(global_tokens, world)
                 )
                 loss = loss + self.algo.kl_coef * kl
-            if not torch.isfinite(loss):
+            if not self._all_ranks_finite(loss):  # agreed before the backward's collectives (DDP, FSDP)
                 finite = False
                 break
             self.manual_backward(loss)
@@ -236,7 +236,7 @@ class DSPOModule(pl.LightningModule):
             totals["loss/ratio_min"] = min(totals.get("loss/ratio_min", math.inf), float(stats["ratio_min"]))
             totals["loss/ratio_max"] = max(totals.get("loss/ratio_max", -math.inf), float(stats["ratio_max"]))
         grad_norm = self._clip_gradients() if finite else torch.tensor(float("nan"))
-        if not finite or not torch.isfinite(grad_norm):
+        if not finite or not self._all_ranks_finite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             self._on_non_finite(slot)
             return None
@@ -260,6 +260,14 @@ class DSPOModule(pl.LightningModule):
         self.log_dict(totals, on_step=True, prog_bar=False, batch_size=num_sequences)
         self.log("reward", totals["train/reward_mean"], prog_bar=True, logger=False, batch_size=num_sequences)
         return torch.tensor(totals["train/loss"])
+
+    def _all_ranks_finite(self, value: torch.Tensor) -> bool:
+        """Whether `value` is finite on every rank. One rank deciding alone would skip a backward (or an optimizer
+        step) that the others run, and their gradient all-reduce (DDP; reduce-scatter under FSDP) would wait for it."""
+        finite = bool(torch.isfinite(value))
+        if self._trainer is None or self.trainer.world_size == 1:
+            return finite
+        return bool(self.trainer.strategy.reduce_boolean_decision(finite, all=True))
 
     def _all_ranks_sum(self, value: float) -> float:
         total = self.trainer.strategy.reduce(torch.tensor(value, device=self.device), reduce_op="sum")

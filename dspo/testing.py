@@ -132,14 +132,16 @@ def toy_run(
     lr: float = 1e-2,
     seed: int = 0,
     warmup_steps: int = 0,
+    callbacks: tuple = (),
     **algorithm: Any,
 ) -> SimpleNamespace:
     """Module, callback (with the stand-ins attached), datamodule and a CPU trainer for `max_steps` optimizer steps.
 
     `algorithm` overrides `AlgorithmConfig` fields (defaults: G=4, B=2, M=1, micro-batches of 3 sequences, wide clip,
-    no rollout correction).
+    no rollout correction); `callbacks` go to the trainer after the environment callback.
     """
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from dspo.algorithms.config import AlgorithmConfig
     from dspo.callbacks.environment_callback import EnvironmentCallback
@@ -164,9 +166,9 @@ def toy_run(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
-        callbacks=[callback],
+        callbacks=[callback, *callbacks],
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,

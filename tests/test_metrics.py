@@ -47,8 +47,8 @@ def test_sub_exact_match() -> None:
     assert sub_exact_match("Paris", "Paris") == 1.0  # a single gold string
     assert sub_exact_match("Par", ["Paris"]) == 0.0
     assert sub_exact_match("", ["Paris"]) == 0.0
-    # FlashRAG-faithful: a gold that normalizes to "" (nq.jsonl has "*", "---", ")") is a substring of anything
-    assert sub_exact_match("no idea", ["*"]) == 1.0
+    # Unlike FlashRAG, a gold that normalizes to "" (nq.jsonl has "*", "---", ")") never matches (dspo.metrics)
+    assert sub_exact_match("no idea", ["*"]) == 0.0
 
 
 def test_exact_match() -> None:
@@ -91,7 +91,7 @@ def _benchmark_golds() -> list[str]:
 
 
 def test_every_benchmark_gold_matches_itself_and_its_variants() -> None:
-    golds = _benchmark_golds()
+    golds = [g for g in _benchmark_golds() if normalize_answer(g)]  # the others never match (next test)
     assert len(golds) > 1000
     for gold in golds:
         variants = [
@@ -112,8 +112,17 @@ def test_every_benchmark_gold_matches_itself_and_its_variants() -> None:
 
 
 def test_benchmark_gold_does_not_match_an_unrelated_answer() -> None:
-    golds = [g for g in _benchmark_golds() if normalize_answer(g)]
-    assert sum(sub_exact_match("", [g]) for g in golds) == 0.0  # only an empty gold is in ""
+    golds = _benchmark_golds()
+    assert sum(sub_exact_match("", [g]) for g in golds) == 0.0
+
+
+@pytest.mark.parametrize("score", [sub_exact_match, exact_match, token_f1])
+def test_blank_golds_never_match_and_a_missing_answer_is_wrong(score) -> None:
+    """Issue 29 (9): NQ golds such as `*` normalize to "", which FlashRAG's scorers find in every prediction."""
+    for prediction in ("", "anything at all", "*", None):
+        assert score(prediction, ["*"]) == 0.0 and score(prediction, ["---", ")"]) == 0.0
+    assert score(None, ["Paris"]) == 0.0
+    assert score("Paris", ["*", "Paris"]) == 1.0  # the real gold beside it still counts
 
 
 # ---------------------------------------------------------------- torchmetrics classes

@@ -55,3 +55,13 @@ def test_max_answer_words_guard():
     assert _reward(listing, ["Paris"]) == 1.0  # paper-faithful default
     assert _reward(listing, ["Paris"], max_answer_words=3) == 0.0
     assert _reward("<answer>Paris France</answer>", ["Paris"], max_answer_words=3) == 1.0
+
+
+def test_reward_and_evaluation_agree_on_blank_answers_and_golds():
+    """Issue 29 (9): evaluation scored a missing answer as "" and found the gold `*` (normalized "") in it; the reward
+    gave 0. One rule now: no answer is wrong, a blank gold never matches."""
+    item = QAItem(id="0", question="what symbol?", golden_answers=["*"])
+    for answer in (None, "", "a saltire"):
+        trajectory = Trajectory([1], [2], [1], [0.0], reward=subem_reward(answer, item.golden_answers), answer=answer)
+        prediction = Prediction.from_group(RolloutGroup(item=item, trajectories=[trajectory]))
+        assert trajectory.reward == prediction.correct == prediction.em == prediction.f1 == 0.0, answer

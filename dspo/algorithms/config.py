@@ -83,7 +83,7 @@ class AlgorithmConfig:
         if RATIO_LEVELS[self.loss] == "sequence" and level != "sequence":
             raise ValueError(
                 f"algorithm.rollout_correction.mode: '{correction.mode}' weighs single tokens, but objective "
-                f"'{self.loss}' has one ratio per sequence; use none, seq_tis or seq_mis"
+                f"'{self.loss}' has one ratio per sequence; use none, seq_tis, seq_mis or seq_rs"
             )
 
     def check_world_size(self, world_size: int) -> None:

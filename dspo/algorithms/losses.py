@@ -62,8 +62,8 @@ def register_loss(
     normalizer_unit: what the mini-batch `normalizer` counts, "sequence" (mean over sequences) or "token" (mean over
         all trained tokens); the trainer computes it with `loss_normalizer`.
     ratio_level: "sequence" or "token", the rollout-correction modes the objective accepts (`AlgorithmConfig`).
-        The default "sequence" admits only none/seq_tis/seq_mis, whose weights are valid for every objective; declare
-        "token" when the objective weighs tokens one by one and can take token_tis/token_mis.
+        The default "sequence" admits only none/seq_tis/seq_mis/seq_rs, whose weights are valid for every objective;
+        declare "token" when the objective weighs tokens one by one and can take token_tis/token_mis/token_rs.
     """
     for key, value in (("normalizer_unit", normalizer_unit), ("ratio_level", ratio_level)):
         if value not in LEVELS:
@@ -144,7 +144,7 @@ def _sequence_weights(weights: torch.Tensor | None, mask: torch.Tensor, where: s
     if bool(((high != low) & keep.any(dim=1)).any()):
         raise ValueError(
             f"{where} is sequence-level: its weights must be constant over each sequence's trained tokens "
-            "(use a sequence-level algorithm.rollout_correction.mode: none, seq_tis or seq_mis)"
+            "(use a sequence-level algorithm.rollout_correction.mode: none, seq_tis, seq_mis or seq_rs)"
         )
     return torch.where(keep.any(dim=1), high, 0.0)
 

@@ -1,15 +1,23 @@
-"""Rollout-training mismatch correction: importance weights π_old / π_engine, truncated (TIS) or masked (MIS).
+"""Rollout-training mismatch correction: importance weights π_old / π_engine, truncated (TIS) or masked (MIS), and
+rejection of outliers (RS).
 
 The rollout engine samples with its own kernels (vLLM, bf16, batch-dependent reductions), the trainer recomputes
 logprobs with another (FSDP, HF): the data is never exactly on-policy. With r_it = π_old(y_it) / π_engine(y_it) on
-mask-1 tokens, the weights below multiply each objective's surrogate term (detached, normalizers unchanged), so its
-gradient estimates the gradient under π_old although y was drawn from π_engine.
+mask-1 tokens, the weights below multiply each objective's surrogate term (detached, normalizers unchanged).
 
     token_tis  w_it = min(r_it, high)                          (truncated IS, per token)
-    token_mis  w_it = 1[low <= r_it <= high]                    (masked IS, per token)
+    token_mis  w_it = r_it · 1[low <= r_it <= high]             (masked IS, per token)
+    token_rs   w_it = 1[low <= r_it <= high]                    (rejection of outlier tokens, no reweighting)
     seq_tis    w_it = min(ρ_i, high)  on every mask-1 token of sequence i
-    seq_mis    w_it = 1[low <= ρ_i <= high]
+    seq_mis    w_it = ρ_i · 1[low <= ρ_i <= high]
+    seq_rs     w_it = 1[low <= ρ_i <= high]
     none       w_it = 1
+
+What each estimates. The IS modes (tis, mis) reweight samples drawn from π_engine by π_old/π_engine, so the gradient
+estimates the gradient under π_old, with the bias of the truncation (tis: ratios above `high` count as `high`) or of
+the mask (mis: samples outside [low, high] are dropped, the others keep their ratio, as verl's masked IS). The RS modes
+only drop the samples whose ratio is out of bounds and weigh the rest 1: the gradient is the uncorrected one over the
+samples the two policies roughly agree on, not an estimate under π_old. (Before issue 29 the `*_mis` names meant RS.)
 
 ρ_i = exp( Σ_t m_it (logπ_old − logπ_engine) / Σ_t m_it ) is the length-normalized (geometric-mean) ratio, the same
 normalization as s_i in DSPO Eq. 6, so a sequence-level correction weighs exactly the unit that Eq. 11 clips.
@@ -54,6 +62,11 @@ def _token_tis(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float)
 
 
 def _token_mis(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    ratio = torch.exp(delta)
+    return ratio * _inside(ratio, low, high)
+
+
+def _token_rs(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return _inside(torch.exp(delta), low, high)
 
 
@@ -62,6 +75,11 @@ def _seq_tis(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -
 
 
 def _seq_mis(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    ratio = _sequence_ratio(delta, mask)
+    return ratio * _inside(ratio, low, high)
+
+
+def _seq_rs(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return _inside(_sequence_ratio(delta, mask), low, high)
 
 
@@ -69,8 +87,10 @@ CORRECTION_MODES: dict[str, CorrectionMode] = {
     "none": CorrectionMode("sequence", _none),  # constant within a sequence, so valid for every objective
     "token_tis": CorrectionMode("token", _token_tis),
     "token_mis": CorrectionMode("token", _token_mis),
+    "token_rs": CorrectionMode("token", _token_rs),
     "seq_tis": CorrectionMode("sequence", _seq_tis),
     "seq_mis": CorrectionMode("sequence", _seq_mis),
+    "seq_rs": CorrectionMode("sequence", _seq_rs),
 }
 
 
@@ -90,8 +110,8 @@ class RolloutCorrectionConfig:
     """`algorithm.rollout_correction`: which weights (see the module docstring) and their bounds [low, high]."""
 
     mode: str = "none"
-    low: float = 0.5  # MIS lower bound (unused by TIS)
-    high: float = 2.0  # TIS cap and MIS upper bound
+    low: float = 0.5  # MIS / RS lower bound (unused by TIS)
+    high: float = 2.0  # TIS cap, MIS / RS upper bound
 
     def __post_init__(self) -> None:
         correction_level(self.mode)

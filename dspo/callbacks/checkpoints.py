@@ -66,11 +66,32 @@ class RoundCheckpoint(ModelCheckpoint):
         )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        # With manual optimization Lightning 2.6 warns (and prints a code sample) that the checkpoint holds the state
-        # after the optimizer step. That is what dspo wants at a round boundary: the weights the next round samples.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        position = round_position(batch)
+        if position is None:  # not a dspo round slot: Lightning's own count of optimizer steps
+            # With manual optimization Lightning 2.6 warns (and prints a code sample) that the checkpoint holds the
+            # state after the optimizer step: what is wanted at a round boundary, the weights the next round samples.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+                super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        # Rounds, not optimizer steps: a skipped (non-finite) step leaves the global step behind the slots, and a
+        # step-counted save would then land mid-round, where a resume drops the rest of the round.
+        round_index, minibatch_index = position
+        if minibatch_index != self.steps_per_round - 1 or (round_index + 1) % self.every_n_rounds:
+            return
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+
+
+def round_position(batch: Any) -> tuple[int, int] | None:
+    """(round index, mini-batch index in the round) of a dspo train batch (`RoundSlot`), None for any other batch."""
+    round_index, minibatch_index = getattr(batch, "round_index", -1), getattr(batch, "minibatch_index", -1)
+    if not isinstance(round_index, int) or round_index < 0 or minibatch_index < 0:
+        return None
+    return round_index, minibatch_index
 
 
 _SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2, "SIGINT": signal.SIGINT}
@@ -115,8 +136,9 @@ class PreemptionCheckpoint(pl.Callback):
             self._previous[_SIGNALS[name]] = signal.signal(_SIGNALS[name], self._handle)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        round_ends = getattr(batch, "minibatch_index", trainer.global_step - 1) % self.steps_per_round
-        if round_ends != self.steps_per_round - 1:
+        position = round_position(batch)
+        minibatch_index = position[1] if position is not None else trainer.global_step - 1
+        if minibatch_index % self.steps_per_round != self.steps_per_round - 1:
             return
         if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             return
@@ -133,7 +155,16 @@ class PreemptionCheckpoint(pl.Callback):
         if self.slurm_requeue and trainer.is_global_zero and os.environ.get("SLURM_JOB_ID"):
             requeue_slurm_job(os.environ["SLURM_JOB_ID"])
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    # Restored when training ends (normally or by an exception), not in `teardown`: Lightning puts back the handlers
+    # it found before calling the callbacks' teardown, so restoring there would reinstall the handler Lightning used
+    # during fit, and after fit SIGTERM would no longer end the process.
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handlers()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()

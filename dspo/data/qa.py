@@ -17,6 +17,7 @@ is the `benchmark` argument, else the row's `data_source`, else the file's stem 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from dspo.types import QAItem
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _MIRROR_VAR = "DSPO_HUB_MIRROR"
+log = logging.getLogger(__name__)
 
 
 class QADataError(ValueError):
@@ -46,7 +48,34 @@ def load_qa(path: str, benchmark: str | None = None, limit: int | None = None, s
         dataset = dataset.select(range(min(limit, len(dataset))))
     columns = set(dataset.column_names)
     schema = _detect_schema(columns, path)
-    return [_row_to_item(row, index, schema, path, benchmark, default_benchmark) for index, row in enumerate(dataset)]
+    items = [_row_to_item(row, index, schema, path, benchmark, default_benchmark) for index, row in enumerate(dataset)]
+    return _drop_blank_golds(items, path)
+
+
+def _drop_blank_golds(items: list[QAItem], source: str) -> list[QAItem]:
+    """Gold answers that normalize to the empty string (`*`, `---`) never match (`dspo.metrics`): drop them, and the
+    questions left without a gold, so that neither reward nor evaluation ever scores against them; say how many."""
+    from dspo.metrics import normalize_answer
+
+    kept, dropped_golds, dropped_items = [], 0, 0
+    for item in items:
+        golds = [gold for gold in item.golden_answers if normalize_answer(gold)]
+        dropped_golds += len(item.golden_answers) - len(golds)
+        if not golds:
+            dropped_items += 1
+            continue
+        item.golden_answers = golds
+        kept.append(item)
+    if dropped_golds:
+        log.warning(
+            "%s: dropped %d gold answer(s) that normalize to the empty string (e.g. '*') and skipped %d question(s) "
+            "left without a gold answer; %d questions kept",
+            source,
+            dropped_golds,
+            dropped_items,
+            len(kept),
+        )
+    return kept
 
 
 def load_benchmarks(

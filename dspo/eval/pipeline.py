@@ -5,7 +5,8 @@ No Lightning here: the training module calls `predict` + `update_metrics` (or `s
 
 Scores are the paper's subEM (Eq. 4) plus EM and token F1, all with FlashRAG / Search-R1 answer normalization,
 computed by the torchmetrics classes of `dspo.metrics` (exact sums and counts, safe to reduce across processes).
-A trajectory that never produced `<answer>` scores 0 on all three (its answer is the empty string).
+A trajectory that never produced `<answer>` scores 0 on all three (its answer is recorded as the empty string, and
+scored as missing: `dspo.metrics` explains the rule for blank answers and golds, the same as the training reward's).
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ class Prediction:
         if len(group.trajectories) != 1:
             raise ValueError(f"greedy evaluation expects 1 trajectory per group, got {len(group.trajectories)}")
         trajectory, item = group.trajectories[0], group.item
-        answer = trajectory.answer or ""
+        answer = trajectory.answer  # None when the episode ended without an <answer>: wrong, whatever the golds
         return cls(
             id=item.id,
             benchmark=item.benchmark,
             question=item.question,
             golden_answers=list(item.golden_answers),
-            answer=answer,
+            answer=answer or "",
             correct=sub_exact_match(answer, item.golden_answers),
             em=exact_match(answer, item.golden_answers),
             f1=token_f1(answer, item.golden_answers),

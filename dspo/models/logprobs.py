@@ -30,13 +30,24 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder, head
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on this device type now, None when autocast is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 class HeadLogprobs(torch.autograd.Function):
     """logπ(targets) under softmax((hidden @ weightᵀ + bias) / temperature) for one chunk of rows, in float32; the
     entropy too when asked (no gradient). Inputs: hidden [k, H], weight [V, H], bias [V] or None, targets [k].
-    Returns logprobs [k] and entropy [k] (an empty tensor when not asked)."""
+    Returns logprobs [k] and entropy [k] (an empty tensor when not asked).
+
+    Mixed precision: under autocast (bf16-mixed) the forward's matmul runs in the autocast dtype, as `F.linear` does
+    there; the backward's two matmuls run in that dtype too and cast their results back to the inputs' dtypes, which
+    is what autograd does for an autocast matmul (a custom Function's backward runs outside autocast, so it is
+    re-entered here by hand rather than with `torch.amp.custom_bwd`, whose device type is fixed at decoration)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, for_backward: bool = True):
+        ctx.compute_dtype = _autocast_dtype(hidden.device.type)
         logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [k, V]
         if temperature != 1.0:
             logits.div_(temperature)
@@ -52,6 +63,7 @@ class HeadLogprobs(torch.autograd.Function):
         if for_backward:  # (old / reference logprobs under no_grad keep nothing)
             ctx.save_for_backward(hidden, weight, probs, targets)
         ctx.has_bias, ctx.temperature = bias is not None, temperature
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -63,10 +75,11 @@ class HeadLogprobs(torch.autograd.Function):
         scale = (grad_logprobs.float() / ctx.temperature)[:, None]  # [k, 1]
         grad_logits = probs.mul_(-scale)
         grad_logits.scatter_add_(1, targets[:, None], scale)
-        grad_logits = grad_logits.to(weight.dtype)
-        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        grad_bias = grad_logits.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dtype = ctx.compute_dtype or weight.dtype
+        grad_logits = grad_logits.to(dtype)
+        grad_hidden = (grad_logits @ weight.to(dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad_logits.t() @ hidden.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_logits.sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
@@ -111,9 +124,13 @@ def masked_token_logprobs(
     selected = hidden[rows, cols]  # [K, H]
     targets = input_ids[rows, cols + 1]  # [K]
     fused = isinstance(head, nn.Linear) and not fallback
-    for_backward = torch.is_grad_enabled() and (selected.requires_grad or head.weight.requires_grad)
+    trainable = [selected, head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
+    for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in trainable)
     token_logprobs, token_entropy = [], []
-    for start in range(0, selected.shape[0], chunk_size):
+    # At least one chunk, even with no trained token: the (empty) result is then still connected to the parameters,
+    # so a micro-batch without trained tokens backpropagates zeros like any other, instead of a loss with no grad_fn
+    # (and under DDP every rank joins the same gradient all-reduce).
+    for start in range(0, max(selected.shape[0], 1), chunk_size):
         rows_k, targets_k = selected[start : start + chunk_size], targets[start : start + chunk_size]
         if fused:
             logprobs, entropy = HeadLogprobs.apply(
@@ -125,10 +142,9 @@ def masked_token_logprobs(
         token_entropy.append(entropy)
     out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(out) if with_entropy else None
-    if token_logprobs:
-        out = out.index_put((rows, cols + 1), torch.cat(token_logprobs))
-        if with_entropy:
-            entropy = entropy.index_put((rows, cols + 1), torch.cat(token_entropy))
+    out = out.index_put((rows, cols + 1), torch.cat(token_logprobs))
+    if with_entropy:
+        entropy = entropy.index_put((rows, cols + 1), torch.cat(token_entropy))
     return out, entropy
 
 

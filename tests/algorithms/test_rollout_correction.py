@@ -56,20 +56,39 @@ EXPECTED = {
         [0, 0, 0, 0],
         [0.4493289641, 0, 0, 0],
     ],
-    "token_mis": [[1, 1, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+    "token_mis": [  # masked IS: the ratio where 0.5 <= r <= 2, else 0 (issue 29: it was the indicator alone)
+        [1.1051709181, 0.7408182207, 0, 1.6487212707],
+        [0, 0, 1.8221188004, 0],
+        [0, 0.8187307531, 0, 0],
+        [0, 0, 0, 0],
+        [0, 0, 0, 0],
+    ],
+    "token_rs": [[1, 1, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
     "seq_tis": [[R0, R0, 0, R0], [2.0, 2.0, 2.0, 0], [R2, R2, 0, 0], [0, 0, 0, 0], [R4, 0, 0, 0]],
-    "seq_mis": [[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+    "seq_mis": [[R0, R0, 0, R0], [0, 0, 0, 0], [R2, R2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+    "seq_rs": [[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
 }
 # weight_mean = Σ weights / 9; masked_share = mask-1 tokens with weight 0 / 9
 # token_tis: 3.4947104 + 5.8221188 + 1.1866102 + 0.4493290 = 10.9527684;  seq_tis: 3·R0 + 6 + 2·R2 + R4 = 10.8624649
+# token_mis: 1.1051709 + 0.7408182 + 1.6487213 + 1.8221188 + 0.8187308 = 6.1355600;  seq_mis: 3·R0 + 2·R2 = 4.4131361
 EXPECTED_WEIGHT_MEAN = {
     "none": 1.0,
     "token_tis": 10.9527684 / 9,
-    "token_mis": 5 / 9,
+    "token_mis": 6.1355600 / 9,
+    "token_rs": 5 / 9,
     "seq_tis": 10.8624649 / 9,
-    "seq_mis": 5 / 9,
+    "seq_mis": 4.4131361 / 9,
+    "seq_rs": 5 / 9,
 }
-EXPECTED_MASKED_SHARE = {"none": 0.0, "token_tis": 0.0, "token_mis": 4 / 9, "seq_tis": 0.0, "seq_mis": 4 / 9}
+EXPECTED_MASKED_SHARE = {
+    "none": 0.0,
+    "token_tis": 0.0,
+    "token_mis": 4 / 9,
+    "token_rs": 4 / 9,
+    "seq_tis": 0.0,
+    "seq_mis": 4 / 9,
+    "seq_rs": 4 / 9,
+}
 # |d| summed: 0.9 + 2.4 + 1.2 + 0.8 = 5.3.  k3 = e^d − d − 1 summed over the nine tokens:
 # 0.0051709 + 0.0408182 + 0.1487213 + 2·0.5596031 + 0.2221188 + 0.3678794 + 0.0187308 + 0.2493290 = 2.1719746
 DIFF_ABS_MEAN, KL_K3 = 5.3 / 9, 2.1719746 / 9
@@ -89,8 +108,10 @@ def test_bounds_are_inclusive_and_configurable() -> None:
     mask = torch.ones(1, 3, dtype=torch.float64)
     old = torch.log(torch.tensor([[0.8, 1.25, 1.3]], dtype=torch.float64))  # engine logprob 0: r = 0.8, 1.25, 1.3
     engine = torch.zeros_like(old)
-    weights, _ = correction_weights(old, engine, mask, "token_mis", low=0.8, high=1.25)
+    weights, _ = correction_weights(old, engine, mask, "token_rs", low=0.8, high=1.25)
     assert weights.tolist() == [[1.0, 1.0, 0.0]]
+    weights, _ = correction_weights(old, engine, mask, "token_mis", low=0.8, high=1.25)
+    torch.testing.assert_close(weights, torch.tensor([[0.8, 1.25, 0.0]], dtype=torch.float64))
     weights, _ = correction_weights(old, engine, mask, "token_tis", low=0.8, high=1.25)
     torch.testing.assert_close(weights, torch.tensor([[0.8, 1.25, 1.25]], dtype=torch.float64))
 
@@ -153,9 +174,11 @@ E02 = 1.2214027582  # e^0.2
     ("loss", "mode", "seq_weight"),
     [
         ("dspo", "seq_tis", [E02, 0.3678794412, 1.0]),
-        ("gspo", "seq_mis", [1.0, 0.0, 1.0]),
+        ("gspo", "seq_mis", [E02, 0.0, 1.0]),
+        ("gspo", "seq_rs", [1.0, 0.0, 1.0]),
         ("grpo", "seq_tis", [E02, 0.3678794412, 1.0]),
-        ("grpo", "token_mis", [1.0, 0.0, 1.0]),
+        ("grpo", "token_mis", [E02, 0.0, 1.0]),
+        ("grpo", "token_rs", [1.0, 0.0, 1.0]),
         ("dapo", "token_tis", [E02, 0.3678794412, 1.0]),
         ("dapo", "none", [1.0, 1.0, 1.0]),
     ],

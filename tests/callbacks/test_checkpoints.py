@@ -147,3 +147,60 @@ def test_invalid_settings_name_their_key(tmp_path: Path) -> None:
         PreemptionCheckpoint(str(tmp_path), signals=["SIGHUP"])
     checkpoint = RoundCheckpoint(str(tmp_path), every_n_rounds=3, steps_per_round=2, keep_last=5)
     assert (checkpoint._every_n_train_steps, checkpoint.save_top_k, checkpoint.monitor) == (6, 5, "step")
+
+
+def test_round_checkpoints_stay_on_round_boundaries_after_a_skipped_step(tmp_path: Path) -> None:
+    """Issue 29 (2): a skipped (non-finite) step leaves the global step one behind the slots; saves must still fall at
+    the end of a round (the environment callback's cursor is 0 in every saved state), counted in rounds."""
+    from dspo.module import DSPOModule
+    from dspo.testing import build_toy_lm, toy_run
+
+    class PoisonSecondStep(DSPOModule):
+        def training_step(self, slot, batch_idx):
+            if batch_idx == 1:  # round 0's second mini-batch: skipped
+                for batch in slot.micro_batches:
+                    batch.advantages = torch.full_like(batch.advantages, float("nan"))
+            return super().training_step(slot, batch_idx)
+
+    lm_dir = build_toy_lm(str(tmp_path / "lm"))
+    checkpoint = RoundCheckpoint(str(tmp_path / "ckpt"), every_n_rounds=1, steps_per_round=2, keep_last=-1)
+    run = toy_run(lm_dir, str(tmp_path), 5, module_cls=PoisonSecondStep, num_minibatches=2, callbacks=(checkpoint,))
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    saved = {}
+    for path in sorted((tmp_path / "ckpt").glob("step*.ckpt")):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved[path.name] = (state["global_step"], state["callbacks"]["EnvironmentCallback"])
+    # rounds end after slots 2, 4 and 6, i.e. at optimizer steps 1, 3 and 5 (one step of round 0 was skipped)
+    assert sorted(saved) == ["step00001.ckpt", "step00003.ckpt", "step00005.ckpt"]
+    for name, (step, environment) in saved.items():
+        assert environment["cursor"] == 0, f"{name} was saved mid-round"
+    assert [env["rounds_completed"] for _, env in (saved[k] for k in sorted(saved))] == [1, 2, 3]
+
+
+def test_preemption_handlers_are_restored_when_training_ends(tmp_path: Path) -> None:
+    """Issue 29 (6): after fit, SIGTERM must again do what it did before fit (end the process), not call the handler
+    Lightning used during fit (Lightning restores its own before the callbacks' teardown)."""
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=2)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    callback = PreemptionCheckpoint(str(tmp_path / "ckpt"))
+    trainer = pl.Trainer(
+        max_steps=2, callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, accelerator="cpu", default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(Tiny())
+    assert {s: signal.getsignal(s) for s in before} == before

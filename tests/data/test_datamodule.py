@@ -42,7 +42,7 @@ def test_datamodule_validates_and_saves_sampler_state(tmp_path):
     with pytest.raises(ValueError, match="train_files"):
         RolloutDataModule(train_files=[])
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(f'{{"id": "{i}", "question": "q{i}", "golden_answers": ["a"]}}\n' for i in range(6)))
+    path.write_text("".join(f'{{"id": "{i}", "question": "q{i}", "golden_answers": ["x"]}}\n' for i in range(6)))
     dm = RolloutDataModule(train_files=[str(path)], val_files={"toy": str(path)}, val_limit=4, seed=5)
     dm.setup("fit")
     dm.sampler.take(4)

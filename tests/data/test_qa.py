@@ -12,7 +12,7 @@ from dspo.resources import data_dir
 
 BENCHMARKS = data_dir() / "benchmarks"
 COUNTS = {
-    "nq": 1000,
+    "nq": 998,  # 1,000 rows; 2 have only golds that normalize to "" (`---`, `)`) and are skipped
     "triviaqa": 1000,
     "popqa": 1000,
     "hotpotqa": 500,
@@ -91,14 +91,14 @@ def test_search_r1_string_prompt_and_target_prefers_question_column(tmp_path: Pa
 
 
 def test_plain_answer_and_answers(tmp_path: Path) -> None:
-    one = load_qa(write_jsonl(tmp_path / "one.jsonl", [{"question": "q?", "answer": "a"}]))
-    many = load_qa(write_jsonl(tmp_path / "many.json", [{"question": "q?", "answers": ["a", "b"]}]))
-    assert one[0].golden_answers == ["a"] and one[0].id == "one_0" and one[0].benchmark == "one"
-    assert many[0].golden_answers == ["a", "b"] and many[0].benchmark == "many"
+    one = load_qa(write_jsonl(tmp_path / "one.jsonl", [{"question": "q?", "answer": "x"}]))
+    many = load_qa(write_jsonl(tmp_path / "many.json", [{"question": "q?", "answers": ["x", "b"]}]))
+    assert one[0].golden_answers == ["x"] and one[0].id == "one_0" and one[0].benchmark == "one"
+    assert many[0].golden_answers == ["x", "b"] and many[0].benchmark == "many"
 
 
 def test_benchmark_argument_and_limit(tmp_path: Path) -> None:
-    rows = [{"id": str(i), "question": f"q{i}", "golden_answers": ["a"]} for i in range(5)]
+    rows = [{"id": str(i), "question": f"q{i}", "golden_answers": ["x"]} for i in range(5)]
     items = load_qa(write_jsonl(tmp_path / "x.jsonl", rows), benchmark="custom", limit=3)
     assert [i.id for i in items] == ["0", "1", "2"] and {i.benchmark for i in items} == {"custom"}
     assert load_qa(str(tmp_path / "x.jsonl"), limit=0) == []
@@ -137,7 +137,7 @@ def test_load_benchmarks_single_path_groups_by_data_source(tmp_path: Path) -> No
 def test_missing_field_names_file_and_row(tmp_path: Path) -> None:
     path = write_jsonl(
         tmp_path / "bad.jsonl",
-        [{"id": "1", "question": "ok?", "golden_answers": ["a"]}, {"id": "2", "question": "", "golden_answers": ["b"]}],
+        [{"id": "1", "question": "ok?", "golden_answers": ["x"]}, {"id": "2", "question": "", "golden_answers": ["b"]}],
     )
     with pytest.raises(QADataError, match=r"bad\.jsonl row 1: missing or empty field 'question'"):
         load_qa(path)
@@ -162,7 +162,7 @@ def test_unknown_schema_and_bad_sources(tmp_path: Path, monkeypatch: pytest.Monk
         load_qa(str(tmp_path / "notes.txt"))
     with pytest.raises(QADataError, match="folder has no test.jsonl"):
         load_qa(str(tmp_path), split="test")
-    (tmp_path / "broken.jsonl").write_text('{"question": "q", "golden_answers": ["a"]}\n{not json\n')
+    (tmp_path / "broken.jsonl").write_text('{"question": "q", "golden_answers": ["x"]}\n{not json\n')
     with pytest.raises(QADataError, match=r"broken\.jsonl: could not read as json"):
         load_qa(str(tmp_path / "broken.jsonl"))
     with pytest.raises(QADataError, match="limit must be >= 0"):
@@ -182,3 +182,17 @@ def test_load_benchmarks_root_resolves_relative_names() -> None:
     assert {k: len(v) for k, v in sets.items()} == {"nq": 2, "musique": 2}
     absolute = str(BENCHMARKS / "bamboogle.jsonl")  # an absolute entry ignores root
     assert len(load_benchmarks({"bamboogle": absolute}, root="/nonexistent")["bamboogle"]) == 125
+
+
+def test_golds_that_normalize_to_empty_are_dropped_and_counted(tmp_path: Path, caplog) -> None:
+    """Issue 29 (9): `*`, `---` can never be matched (dspo.metrics); they are dropped at load, and a question left
+    without a gold is skipped, with a count in the log."""
+    rows = [
+        {"id": "a", "question": "q1", "golden_answers": ["the symbol ×", "*"]},
+        {"id": "b", "question": "q2", "golden_answers": ["---"]},
+        {"id": "c", "question": "q3", "golden_answers": ["Paris"]},
+    ]
+    with caplog.at_level("WARNING", logger="dspo.data.qa"):
+        items = load_qa(write_jsonl(tmp_path / "nq.jsonl", rows))
+    assert [(i.id, i.golden_answers) for i in items] == [("a", ["the symbol ×"]), ("c", ["Paris"])]
+    assert "dropped 2 gold answer(s)" in caplog.text and "skipped 1 question(s)" in caplog.text

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -142,3 +144,93 @@ def test_fused_head_under_no_grad_gives_the_same_values(model):
     assert not plain.requires_grad and no_entropy is None
     torch.testing.assert_close(plain, with_grad.detach(), atol=0, rtol=0)
     torch.testing.assert_close(with_entropy[1], entropy, atol=0, rtol=0)
+
+
+class _MatmulDtypes:
+    """Records the dtypes of the matrix products run while active (aten mm/addmm/bmm), for the autocast test."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+                    seen.append(args[-2].dtype if func.overloadpacket is torch.ops.aten.addmm else args[0].dtype)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_fused_head_under_bf16_autocast_matches_autograd_and_runs_its_backward_in_bf16():
+    """Issue 29 (7): under bf16-mixed precision the head's backward must run its two [rows, V] x [V, H] matmuls in the
+    autocast dtype, as autograd's path does, and give autograd's gradients."""
+    from dspo.models.logprobs import HeadLogprobs, _autograd_head_logprobs
+
+    torch.manual_seed(5)
+    head = torch.nn.Linear(32, 300, bias=False)
+    hidden = torch.randn(12, 32, requires_grad=True)
+    targets = torch.randint(0, 300, (12,))
+    upstream = torch.randn(12)
+    results = {}
+    for name in ("fused", "autograd"):
+        hidden.grad, head.weight.grad = None, None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if name == "fused":
+                logprobs, _ = HeadLogprobs.apply(hidden, head.weight, None, targets, 0.9, False)
+            else:
+                logprobs, _ = _autograd_head_logprobs(head, hidden, targets, 0.9, False)
+        with _MatmulDtypes() as backward:
+            (logprobs * upstream).sum().backward()
+        results[name] = (logprobs.detach(), hidden.grad.clone(), head.weight.grad.clone(), backward.seen)
+    fused, reference = results["fused"], results["autograd"]
+    assert reference[3] and set(reference[3]) == {torch.bfloat16}  # what autograd does under autocast
+    assert fused[3] and set(fused[3]) == {torch.bfloat16}
+    torch.testing.assert_close(fused[0], reference[0], atol=0, rtol=0)  # the same bf16 logits, the same fp32 softmax
+    for got, want in zip(fused[1:3], reference[1:3]):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-2)  # bf16 products, summed in another order
+
+
+def test_fused_head_with_only_its_bias_trainable():
+    """Issue 29 (12): a frozen decoder and head weight with a trainable bias (a bias-only fine-tune) must backward."""
+    torch.manual_seed(6)
+    head = torch.nn.Linear(16, 40, bias=True)
+    head.weight.requires_grad_(False)
+    hidden, targets, upstream = torch.randn(6, 16), torch.randint(0, 40, (5,)), torch.randn(5)
+
+    class FrozenDecoderLM(torch.nn.Module):  # a decoder whose hidden states need no gradient
+        def get_decoder(self):
+            return lambda input_ids, attention_mask: SimpleNamespace(last_hidden_state=hidden[None])
+
+        def get_output_embeddings(self):
+            return head
+
+    ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), targets[None]], dim=1)  # [1, 6]: position t predicts t+1
+    mask = torch.ones(1, 6)
+    mask[0, 0] = 0
+    logprobs, _ = masked_token_logprobs(FrozenDecoderLM(), ids, torch.ones_like(ids), mask)
+    (logprobs[0, 1:] * upstream).sum().backward()
+    got = head.bias.grad.clone()
+    head.bias.grad = None
+    want = torch.log_softmax(head(hidden[:5]), -1).gather(1, targets[:, None]).squeeze(1)
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(got, head.bias.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_mask_without_trained_tokens_still_backpropagates(model):
+    """Issue 29 (12): no trained token in a micro-batch gives logprobs connected to the graph (zeros), so the loss
+    has a grad_fn and the backward gives zero gradients instead of raising."""
+    ids = torch.randint(0, 97, (2, 5))
+    model.zero_grad(set_to_none=True)
+    got, _ = masked_token_logprobs(model, ids, torch.ones_like(ids), torch.zeros(2, 5))
+    assert got.requires_grad and (got == 0).all()
+    got.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and (g == 0).all() for g in grads)

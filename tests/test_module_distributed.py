@@ -1,0 +1,106 @@
+"""`DSPOModule` under DDP with two gloo processes: a non-finite loss on one rank only must be skipped on both.
+
+Issue 29 (1): the finiteness check was per rank, so a rank whose loss was NaN skipped its backward while the other
+entered the gradient all-reduce, and the run hung (or paired mismatched collectives and diverged). The processes run
+under a deadline: a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dspo.module import DSPOModule
+
+WORLD = 2
+POISONED_RANK, POISONED_STEP = 1, 1
+
+
+class RankPoison(DSPOModule):
+    """Poisons the advantages of the second micro-batch on one rank at one step (the first micro-batch's backward has
+    already run on both ranks, so the skip must be agreed on between two collectives)."""
+
+    def training_step(self, slot, batch_idx):
+        if self.global_rank == POISONED_RANK and batch_idx == POISONED_STEP:
+            last = slot.micro_batches[-1]
+            last.advantages = torch.full_like(last.advantages, float("nan"))
+        return super().training_step(slot, batch_idx)
+
+    def _on_non_finite(self, slot) -> None:
+        self.skipped_at = [*getattr(self, "skipped_at", []), self.trainer.global_step]
+        super()._on_non_finite(slot)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ddp_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dspo.rollout.environment import RolloutEnvironment
+    from dspo.testing import toy_run
+
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+    os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})  # Lightning: processes already exist
+    run = toy_run(lm_dir, f"{root}/rank{rank}", 3, module_cls=RankPoison, micro_batch_size=3)  # 4 sequences: 3 + 1
+    run.callback.environment = RolloutEnvironment(run.agent, run.callback.algo, rank, WORLD)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=3,
+        callbacks=[run.callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=f"{root}/rank{rank}",
+    )
+    trainer.fit(run.module, datamodule=run.datamodule)
+    report = {
+        "global_step": trainer.global_step,
+        "weights_version": run.module.weights_version,
+        "skipped_at": getattr(run.module, "skipped_at", []),
+        "weights": {k: v.detach().clone() for k, v in run.module.policy.state_dict().items()},
+    }
+    torch.save(report, f"{root}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    from dspo.testing import build_toy_lm
+
+    lm_dir = build_toy_lm(str(tmp_path / "lm"))
+    context = mp.start_processes(
+        _ddp_worker, args=(_free_port(), lm_dir, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    try:
+        finished = False
+        for _ in range(240):  # 2 minutes: a run of 3 steps takes seconds; a hang never finishes
+            if context.join(timeout=0.5):
+                finished = True
+                break
+        assert finished, "the two ranks did not finish: a collective is waiting for a rank that skipped it"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    # both ranks skipped the same step (the one only rank 1 saw as non-finite) and applied the others
+    assert [r["skipped_at"] for r in ranks] == [[1], [1]]
+    assert [r["weights_version"] for r in ranks] == [3, 3]  # 4 batches: one skipped, 3 applied
+    assert [r["global_step"] for r in ranks] == [3, 3]
+    for name, tensor in ranks[0]["weights"].items():
+        assert torch.equal(tensor, ranks[1]["weights"][name]), name
