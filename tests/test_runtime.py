@@ -1,12 +1,32 @@
-"""dspo.runtime: process-level thread and allocator settings."""
+"""dspo.runtime: process-level thread and allocator settings, and their scope (`process_settings`)."""
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+import warnings
 
 import pytest
+import torch
 
 from dspo.runtime import configure_allocator
+
+THREAD_ENV = (
+    "DSPO_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_NTASKS_PER_NODE",
+)
+SCOPED_ENV = (
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "TOKENIZERS_PARALLELISM",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "VLLM_CONFIGURE_LOGGING",
+    "DSPO_VERBOSE",
+)
 
 
 @pytest.fixture
@@ -16,20 +36,87 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_large_blocks_stay_on_the_heap_and_child_processes_inherit_it(clean_env):
-    import os
+@pytest.fixture
+def torch_threads():
+    """Tests that set torch's thread count give the session its own back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
+
+# ---------------------------------------------------------------------------------------------------- threads
+@pytest.mark.parametrize(
+    ("env", "affinity", "local", "expected"),
+    [
+        ({}, 2, None, 2),  # one process on this 2-core machine: both cores (the seeded reference runs)
+        ({}, 2, 1, 2),  # dspo-train's trainer=cpu passes trainer.devices=1
+        ({}, 2, 2, 1),  # 2 DDP ranks on 2 cores: one thread each, not 2 x 2
+        ({}, 2, 3, 1),  # at least one
+        ({"LOCAL_WORLD_SIZE": "4"}, 16, None, 4),  # torchrun's processes on this node
+        ({"LOCAL_WORLD_SIZE": "4"}, 16, 2, 4),  # torchrun knows what it started
+        ({"SLURM_NTASKS_PER_NODE": "4"}, 16, None, 4),  # SLURM tasks sharing the node's mask
+        ({"SLURM_CPUS_PER_TASK": "4"}, 64, None, 4),  # the scheduler's share, not the node's cores
+        ({"SLURM_CPUS_PER_TASK": "8"}, 4, None, 4),  # the affinity mask when it is smaller
+        ({"SLURM_CPUS_PER_TASK": "8"}, 64, 2, 4),  # one task, 2 ranks started inside it by Lightning
+        # SLURM started the ranks (one task each): cpus-per-task is already each rank's share
+        ({"SLURM_CPUS_PER_TASK": "8", "SLURM_NTASKS_PER_NODE": "4"}, 64, 4, 8),
+        ({"OMP_NUM_THREADS": "3"}, 16, 2, 3),  # the user's OpenMP setting
+        ({"OMP_NUM_THREADS": "6,2"}, 16, None, 6),  # nested OpenMP: the outer level
+        ({"OMP_NUM_THREADS": "many"}, 2, None, 2),  # not a number: ignored, as OpenMP ignores it
+        ({"DSPO_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}, 2, 2, 5),  # explicit beats everything
+        ({"DSPO_NUM_THREADS": "0", "LOCAL_WORLD_SIZE": "2"}, 8, None, 4),  # 0: choose automatically
+    ],
+)
+def test_thread_count_precedence(env, affinity, local, expected):
+    from dspo.runtime import thread_count
+
+    threads, source = thread_count(env, affinity, local)
+    assert threads == expected
+    assert source  # says where the number came from (logged)
+
+
+def test_thread_count_names_its_sources_and_rejects_bad_values():
+    from dspo.runtime import thread_count
+
+    assert "DSPO_NUM_THREADS" in thread_count({"DSPO_NUM_THREADS": "3"}, 2)[1]
+    assert "OMP_NUM_THREADS" in thread_count({"OMP_NUM_THREADS": "3"}, 2)[1]
+    assert "SLURM_CPUS_PER_TASK" in thread_count({"SLURM_CPUS_PER_TASK": "1"}, 2)[1]
+    assert "LOCAL_WORLD_SIZE" in thread_count({"LOCAL_WORLD_SIZE": "2"}, 2)[1]
+    with pytest.raises(ValueError, match="DSPO_NUM_THREADS='two'"):
+        thread_count({"DSPO_NUM_THREADS": "two"}, 2)
+    with pytest.raises(ValueError, match="DSPO_NUM_THREADS='-1'"):
+        thread_count({"DSPO_NUM_THREADS": "-1"}, 2)
+    with pytest.raises(ValueError, match="local_processes=0"):
+        thread_count({}, 2, 0)
+
+
+def test_configure_threads_shares_the_usable_cores_between_local_ranks(monkeypatch, torch_threads):
+    """Two ranks of torchrun on a 2-core mask set one thread each (the old code took os.cpu_count() on every rank)."""
+    from dspo.runtime import configure_threads
+
+    for name in THREAD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the node has more cores than this process may use
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert configure_threads() == 1 and torch.get_num_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert configure_threads() == 2 and torch.get_num_threads() == 2  # one process: the whole mask
+    assert configure_threads(local_processes=2) == 1  # what the config says (trainer.devices of a CPU run)
+
+
+# ---------------------------------------------------------------------------------------------------- allocator
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_blocks_stay_on_the_heap_without_exporting_it_to_child_processes(clean_env):
+    """mallopt acts in this process; `MALLOC_*_` variables would reach every child (compilers, scontrol, a GPU
+    run's engine workers), where nothing measured a gain. DDP ranks run `train()` and apply it themselves."""
     assert configure_allocator() is True
-    assert os.environ["MALLOC_MMAP_MAX_"] == "0" and int(os.environ["MALLOC_TRIM_THRESHOLD_"]) == 2**31 - 1
     clean_env.setenv("DSPO_MALLOC_KEEP_BYTES", str(2**30))
-    clean_env.delenv("MALLOC_TRIM_THRESHOLD_")
-    assert configure_allocator() is True and os.environ["MALLOC_TRIM_THRESHOLD_"] == str(2**30)
+    assert configure_allocator() is True
+    assert "MALLOC_MMAP_MAX_" not in os.environ and "MALLOC_TRIM_THRESHOLD_" not in os.environ
 
 
 def test_system_mode_leaves_glibc_alone_and_bad_values_are_named(clean_env):
-    import os
-
     clean_env.setenv("DSPO_MALLOC", "system")
     assert configure_allocator() is False and "MALLOC_MMAP_MAX_" not in os.environ
     clean_env.setenv("DSPO_MALLOC", "jemalloc")
@@ -39,3 +126,44 @@ def test_system_mode_leaves_glibc_alone_and_bad_values_are_named(clean_env):
     clean_env.setenv("DSPO_MALLOC_KEEP_BYTES", "0")
     with pytest.raises(ValueError, match="DSPO_MALLOC_KEEP_BYTES=0"):
         configure_allocator()
+
+
+# ---------------------------------------------------------------------------------------------------- scope
+@pytest.fixture
+def scoped(monkeypatch, tmp_path):
+    """No VLLM_*/TOKENIZERS_PARALLELISM set, a private temp directory, and a spy on the allocator."""
+    for name in SCOPED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls: list[str] = []
+    monkeypatch.setattr("dspo.runtime.configure_allocator", lambda: calls.append("mallopt") or True)
+    return calls
+
+
+@pytest.mark.parametrize(("accelerator", "allocator"), [("cpu", ["mallopt"]), ("gpu", []), ("cuda", []), (None, [])])
+def test_process_settings_apply_the_allocator_only_to_cpu_training(scoped, accelerator, allocator):
+    from dspo.runtime import process_settings
+
+    with process_settings(accelerator=accelerator):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert scoped == allocator
+
+
+def test_process_settings_give_the_session_its_environment_and_warning_filters_back(scoped, monkeypatch):
+    """`train()` from a notebook: the VLLM_* defaults and dspo's warning filters hold during the run, then the
+    notebook's own values (and the absence of the others) come back, also when the run fails."""
+    from dspo.runtime import process_settings
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the user's choice is kept during the run, too
+    filters = list(warnings.filters)
+    with pytest.raises(RuntimeError, match="run failed"), process_settings(accelerator="cpu"):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING" and os.path.isfile(os.environ["VLLM_LOGGING_CONFIG_PATH"])
+        assert warnings.filters != filters  # dspo's filters are in place
+        raise RuntimeError("run failed")
+    assert warnings.filters == filters
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"):
+        assert name not in os.environ, name
+    assert scoped == ["mallopt"]

@@ -106,3 +106,54 @@ def test_validation_interval_must_fall_on_round_boundaries():
         check_round_alignment(
             OmegaConf.create({"algorithm": {"num_minibatches": 2}, "trainer": {"val_check_interval": 25}})
         )
+
+
+@pytest.mark.parametrize(
+    ("trainer", "expected"),
+    [
+        ({"accelerator": "cpu", "devices": 1}, 1),
+        ({"accelerator": "cpu", "devices": 2}, 2),  # trainer=ddp on CPU: two ranks share the cores
+        ({"accelerator": "cpu", "devices": "auto"}, None),  # not known here: the environment variables decide
+        ({"accelerator": "gpu", "devices": 2}, None),  # processes follow GPUs, not cores
+        ({"accelerator": "cpu", "devices": True}, None),
+        ({}, None),
+    ],
+)
+def test_local_processes_come_from_a_cpu_trainer_config(trainer, expected):
+    from dspo.train import local_processes
+
+    assert local_processes(OmegaConf.create({"trainer": trainer})) == expected
+
+
+def test_train_runs_inside_the_process_settings_and_leaves_them_on_failure(monkeypatch):
+    """train() sets the allocator (CPU only), threads, VLLM_* defaults and warning filters for its own duration: a
+    notebook that calls it, even when the run fails, gets its session back."""
+    import contextlib
+
+    import dspo.runtime
+    import dspo.train
+
+    events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def settings(accelerator=None):
+        events.append(("enter", accelerator))
+        try:
+            yield
+        finally:
+            events.append(("exit",))
+
+    monkeypatch.setattr(dspo.runtime, "process_settings", settings)
+    monkeypatch.setattr(
+        dspo.runtime, "configure_threads", lambda local_processes=None: events.append(("threads", local_processes))
+    )
+
+    def stop(names):
+        events.append(("imports",))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dspo.train, "import_modules", stop)
+    cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2}, "imports": None})
+    with pytest.raises(RuntimeError, match="stop here"):
+        dspo.train.train(cfg)
+    assert events == [("enter", "cpu"), ("threads", 2), ("imports",), ("exit",)]

@@ -1,17 +1,21 @@
 """Client for a retrieval service speaking Search-R1's `POST /retrieve` (dspo-serve or Search-R1's own server).
 
 Connection failures, timeouts and 5xx answers are retried with exponential backoff (`backoff_s`, 2·backoff_s, ...,
-at most `max_backoff_s` apart) until `max_wait_s` has passed since the first failure, so a training run outlives a
-restart of the service (a 21M-passage index takes minutes to load). Each wait is logged as a warning naming the URL
-and counted in `retries`. A 4xx is the caller's fault and fails at once with the server's message. When the service
-stays unreachable for the whole window, `RetrieverUnavailableError` names the URL and how to start a server.
+at most `max_backoff_s` apart; each wait drawn between half and all of that, so that ranks that timed out together
+on a slow server do not all resend their batch at the same moment) until `max_wait_s` has passed since the first
+failure, so a training run outlives a restart of the service (a 21M-passage index takes minutes to load). Each wait
+is logged as a warning naming the URL and counted in `retries`. A 4xx is the caller's fault and fails at once with
+the server's message. When the service stays unreachable for the whole window, `RetrieverUnavailableError` names
+the URL and how to start a server.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -19,6 +23,18 @@ from dspo.search.corpus import split_contents
 from dspo.types import Passage
 
 log = logging.getLogger(__name__)
+
+# Not Python's seeded `random`: seed_everything gives every rank the same stream, hence the same "random" waits.
+_JITTER = random.SystemRandom()
+
+
+def backoff_sleep(
+    attempt: int, backoff_s: float, max_backoff_s: float, remaining_s: float, uniform: Callable = _JITTER.uniform
+) -> float:
+    """Seconds to wait before retry `attempt + 1`: "equal jitter", uniform in [c/2, c] for c = backoff_s·2^attempt
+    capped at max_backoff_s; never past the `remaining_s` of the max_wait_s window."""
+    ceiling = min(backoff_s * 2 ** min(attempt, 30), max_backoff_s)
+    return min(uniform(ceiling / 2, ceiling), remaining_s)
 
 
 class RetrieverUnavailableError(RuntimeError):
@@ -84,14 +100,19 @@ class RemoteRetriever:
 
     @property
     def client(self) -> httpx.Client:
-        if self._client is None:
-            self._client = httpx.Client(timeout=self.timeout_s, transport=self._transport)
-        return self._client
+        client = self._client
+        if client is None:
+            with self._lock:  # the environment's threads search at once: one pool, not one per thread (never closed)
+                if self._client is None:
+                    self._client = httpx.Client(timeout=self.timeout_s, transport=self._transport)
+                client = self._client
+        return client
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         """Top-k passages per query, best first. Raises RetrieverUnavailableError / RetrieverRequestError."""
@@ -130,7 +151,7 @@ class RemoteRetriever:
                     f"({error}). Start one with `dspo-serve index=DIR port=PORT`, set retriever.url to a running "
                     "server, or raise retriever.max_wait_s."
                 )
-            sleep = min(self.backoff_s * 2 ** min(attempt, 30), self.max_backoff_s, self.max_wait_s - waited)
+            sleep = backoff_sleep(attempt, self.backoff_s, self.max_backoff_s, self.max_wait_s - waited)
             attempt += 1
             with self._lock:
                 self.retries += 1

@@ -39,10 +39,11 @@ def test_client_waits_max_wait_s_then_names_the_url_when_server_is_down(dead_por
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert url in message and "retriever.max_wait_s" in message and "dspo-serve" in message
-    # sleeps 0.05, 0.1, 0.1, then the rest of the 0.3 s window (0.05): 4 waits, each logged with the URL
-    assert 0.3 <= elapsed < 5 and client.retries == 4
+    # jittered sleeps in [0.025, 0.05], [0.05, 0.1], [0.05, 0.1], ... until the 0.3 s window is used up: 4 waits if
+    # every draw is the longest, 12 at most; each logged with the URL
+    assert 0.3 <= elapsed < 5 and 4 <= client.retries <= 12
     waits = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
-    assert len(waits) == 4 and all(url in w and "max_wait_s=0s" in w for w in waits)
+    assert len(waits) == client.retries and all(url in w and "max_wait_s=0s" in w for w in waits)
     assert "retry 1 in 0.1s" in waits[0] or "retry 1 in 0.0s" in waits[0]
     once = RemoteRetriever(url, timeout_s=2.0, max_wait_s=0.0)  # no window: the first failure is final
     with pytest.raises(RetrieverUnavailableError, match="after 1 attempts"):
@@ -70,7 +71,85 @@ def test_client_outlives_an_outage_shorter_than_max_wait_s(monkeypatch) -> None:
         "http://search.test/retrieve", max_wait_s=60.0, backoff_s=1.0, max_backoff_s=8.0, transport=transport
     )
     assert client.search(["q"], 1)[0][0].id == "1"
-    assert slept == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0] and client.retries == 7
+    ceilings = [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]  # doubling from backoff_s, capped at max_backoff_s
+    assert len(slept) == 7 and client.retries == 7
+    assert all(c / 2 <= s <= c for s, c in zip(slept, ceilings, strict=True)), slept  # "equal jitter"
+
+
+def _sleeps_through_an_outage(monkeypatch, failures: int) -> list[float]:
+    """The sleeps of one client that sees `failures` read timeouts, then an answer."""
+    answers = [httpx.ReadTimeout("slow")] * failures
+    hit = {"document": {"id": "1", "contents": '"T"\nbody'}, "score": 1.0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if answers:
+            raise answers.pop(0)
+        return httpx.Response(200, json={"result": [[hit]]})
+
+    slept: list[float] = []
+    monkeypatch.setattr("dspo.search.client.time.sleep", slept.append)
+    client = RemoteRetriever(
+        "http://search.test/retrieve", max_wait_s=600.0, backoff_s=1.0, max_backoff_s=8.0,
+        transport=httpx.MockTransport(handler),
+    )  # fmt: skip
+    client.search(["q"], 1)
+    return slept
+
+
+def test_ranks_that_time_out_together_do_not_retry_together(monkeypatch) -> None:
+    """Every rank sends its heavy batch when the round starts; after a read timeout they must not all come back at
+    the same moment. Each rank seeds Python's `random` alike (seed_everything), so the jitter cannot come from it."""
+    import random
+
+    random.seed(0)
+    rank0 = _sleeps_through_an_outage(monkeypatch, 5)
+    random.seed(0)
+    rank1 = _sleeps_through_an_outage(monkeypatch, 5)
+    ceilings = [1.0, 2.0, 4.0, 8.0, 8.0]
+    for slept in (rank0, rank1):
+        assert len(slept) == 5 and all(c / 2 <= s <= c for s, c in zip(slept, ceilings, strict=True)), slept
+    assert rank0 != rank1
+
+
+def test_jittered_sleep_never_outlasts_the_remaining_window(monkeypatch) -> None:
+    from dspo.search import client as module
+
+    assert module.backoff_sleep(0, 1.0, 8.0, 100.0, uniform=lambda low, high: high) == 1.0
+    assert module.backoff_sleep(5, 1.0, 8.0, 100.0, uniform=lambda low, high: low) == 4.0  # half of the 8 s cap
+    assert module.backoff_sleep(5, 1.0, 8.0, 0.25, uniform=lambda low, high: high) == 0.25  # what is left of max_wait_s
+    assert module.backoff_sleep(0, 0.0, 0.0, 10.0) == 0.0
+
+
+def test_threads_that_search_at_once_share_one_http_client(monkeypatch) -> None:
+    """The environment's worker threads call search() together at the first round: one connection pool, not one per
+    thread (the extra ones would never be closed)."""
+    import threading
+
+    made: list[object] = []
+    real = httpx.Client
+
+    def slow_client(*args, **kwargs):
+        time.sleep(0.05)  # widen the window between the check and the assignment
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr("dspo.search.client.httpx.Client", slow_client)
+    retriever = RemoteRetriever("http://search.test/retrieve")
+    start = threading.Barrier(8)
+    seen: list[object] = []
+
+    def worker() -> None:
+        start.wait()
+        seen.append(retriever.client)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1 and all(client is made[0] for client in seen) and len(seen) == 8
+    retriever.close()
+    assert retriever._client is None
 
 
 def test_client_retries_5xx_until_success() -> None:
