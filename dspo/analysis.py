@@ -184,6 +184,12 @@ def run_series(run: RunInfo, tag: str, smoothing: float = 0.0) -> pd.Series:
     return pd.Series(values, index=rows["step"].to_numpy(), name=run.run_name, dtype="float64")
 
 
+def last_step(run: RunInfo) -> int | None:
+    """The largest step at which the run logged any scalar (None before its first event file)."""
+    steps = _scalars_cached(run.dir)["step"]
+    return int(steps.max()) if len(steps) else None
+
+
 def curves(runs: Sequence[RunInfo], tag: str, smoothing: float = 0.0) -> pd.DataFrame:
     """Per algorithm and step: mean, std (ddof=1; 0 for one run), min, max and n over its runs, for `tag`.
 
