@@ -204,19 +204,23 @@ def _no_local_path(name: str) -> str:
 def _check_hub(name: str, source: str) -> None:
     """Refuse a hub name when offline, when the hub does not answer, or when it has no such dataset: one request with
     a short timeout, where `datasets` would retry for ~30 s and then name neither the path nor the mirror."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
     mirror_hint = f"or set {_MIRROR_VAR}=DIR to a folder holding {name}/ as downloaded from the hub"
-    if any(os.environ.get(var, "0").lower() in ("1", "true", "yes") for var in _OFFLINE_VARS):
+    # the variables as they are now, and huggingface_hub's own flag (read once, when it was imported)
+    offline = any(os.environ.get(var, "0").lower() in ("1", "true", "yes") for var in _OFFLINE_VARS)
+    if offline or getattr(constants, "HF_HUB_OFFLINE", False):
         raise QADataError(
             f"{source}: looks like a Hugging Face hub dataset, but the machine is offline ({'/'.join(_OFFLINE_VARS)} "
             f"set). {_no_local_path(name)} Download it elsewhere and pass the local file, {mirror_hint}"
         )
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
-
     try:
         HfApi().dataset_info(name, timeout=_HUB_CHECK_TIMEOUT_S)
     except GatedRepoError:
         return  # it exists; `datasets` says what access it needs
+    except OfflineModeIsEnabled as error:
+        raise QADataError(f"{source}: the hub is in offline mode ({error}). {_no_local_path(name)}") from error
     except RepositoryNotFoundError as error:
         raise QADataError(
             f"{source}: the Hugging Face hub has no dataset {name} (or it is private: log in with `hf auth login`). "

@@ -235,13 +235,14 @@ def test_unreachable_hub_fails_fast_and_names_the_missing_local_path(
     for var in ("DSPO_HUB_MIRROR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "ENDPOINT", _closed_port_endpoint())
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at import, from conftest's HF_HUB_OFFLINE=1
     start = time.perf_counter()
     with pytest.raises(QADataError) as error:
         load_qa("raw/nq", split="train")
     assert time.perf_counter() - start < 5
     message = str(error.value)
     assert "cannot be reached" in message and f"No local path {tmp_path / 'raw' / 'nq'} exists" in message
-    assert "./raw/nq" in message
+    assert "./raw/nq" in message and "ConnectError" in message  # the request was made, and refused
 
 
 def test_missing_mirror_and_missing_snapshot_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
