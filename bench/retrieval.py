@@ -11,7 +11,8 @@ corpora it answers only as many of the 500 queries as fit in `--query-budget-s` 
 The synthetic corpus: Zipf-distributed pseudo-words (100k vocabulary, 30-70 words per passage, fixed seed);
 its queries are 6 content words (not among the 100 most frequent) drawn from 500 random passages, and "recall" is
 the share whose source passage is in the top 5.
-Results are printed as a table and written as JSON (`--out`).
+Results are printed as a table and written as JSON: `outputs/bench/retrieval.json` in the working directory, or `--out`;
+`--update-shipped` writes the tracked `bench/results/retrieval.json` that bench/README.md quotes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
 
 REPO = Path(__file__).resolve().parents[1]
 HOTPOTQA = REPO / "data" / "hotpotqa_dev500"  # carried by the repository (data/README.md)
@@ -358,7 +361,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> N
     raise RuntimeError(f"dspo-serve not healthy at {url} after {timeout_s}s")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["index", "server", "all"], default="index")
     parser.add_argument(
@@ -373,9 +376,15 @@ def main() -> None:
         "--batch-mix", default="1:0.6,8:0.25,64:0.12,512:0.03", help="SIZE:SHARE of the good requests (max 512)"
     )
     parser.add_argument("--bad-share", type=float, default=0.05, help="share of bad requests (each must get its 4xx)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "retrieval.json")
+    add_output_arguments(parser, "retrieval.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.out = output_path(parser, args, "retrieval.json")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
         return

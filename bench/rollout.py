@@ -15,7 +15,8 @@ every tool turn is an error observation) on HotpotQA questions: the cost of a la
 Phases (the agent's own timers, `SearchAgent.last_stats`): generation = engine calls; search = retriever calls;
 other = everything else (tokenising observations, splicing, parsing, rewards). Each engine gets one warm-up call,
 then `--repeats` timed rollouts of the whole batch; the table shows the median repeat. HF runs first because
-vLLM's CPU backend pins torch's threads in its process. JSON: `bench/results/rollout.json` (or `--out`).
+vLLM's CPU backend pins torch's threads in its process. JSON: `outputs/bench/rollout.json` in the working directory
+(or `--out`); `--update-shipped` writes the tracked `bench/results/rollout.json`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"  # carried by the repository (data/README.md)
@@ -87,7 +90,7 @@ def run(engine, tokenizer, retriever, items, agent_config, args, label: str) -> 
     return {**median, "tokens_per_s_repeats": [s["tokens_per_s"] for s in repeats]}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["toy", "random"], default="toy")
     parser.add_argument("--questions", type=int, default=32, help="questions per round (B / initial keep-rate ~ 13)")
@@ -97,10 +100,16 @@ def main() -> None:
     parser.add_argument("--p-close", type=float, default=0.03, help="--model random: P(close a tool call)")
     parser.add_argument("--p-eos", type=float, default=0.005, help="--model random: P(end the turn)")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollout.json")
-    args = parser.parse_args()
+    add_output_arguments(parser, "rollout.json")
+    args = parser.parse_args(argv)
     if args.questions < 2 or args.group_size < 2 or args.repeats < 1:
         parser.error("--questions and --group-size must be >= 2, --repeats >= 1")
+    args.out = output_path(parser, args, "rollout.json")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
 

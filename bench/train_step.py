@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
 
 
 class PeakRSS:
@@ -203,7 +203,7 @@ def measure(model, optimizer, micro_batches: list, device: str) -> dict[str, flo
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=8, help="B: groups per round (one mini-batch, M = 1)")
     parser.add_argument("--group-size", type=int, default=5, help="G: trajectories per group")
@@ -215,8 +215,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "train_step.json"))
-    args = parser.parse_args()
+    add_output_arguments(parser, "train_step.json", flag="--output")
+    args = parser.parse_args(argv)
+    args.output = output_path(parser, args, "train_step.json", flag="--output")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     import torch
     from transformers import AutoModelForCausalLM

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _dspo_side import PHASES  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
 from _trl_env import ensure_trl_venv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,6 +247,8 @@ def build_report(summary: dict, runs: dict) -> dict:
         return summary.get(name, {}).get(f"{key}_median", float("nan"))
 
     ratio = {k: med(k, "step_s") / med("trl", "step_s") for k in ("dspo_nofilter", "dspo_filter")}
+    from _dspo_side import PHASES  # imports Lightning: only once there is something to report
+
     phase_keys = ["step_s", *PHASES, "other_s", "train_s"]
     filter_cost = med("dspo_filter", "generate_s") / med("dspo_nofilter", "generate_s")
     digests = {k: {r.get("prompt_digest") for r in rs if r.get("prompt_digest")} for k, rs in runs.items()}
@@ -307,6 +309,8 @@ def print_table(summary: dict, report: dict) -> None:
 
 
 def print_phases(phases: dict[str, float]) -> None:
+    from _dspo_side import PHASES
+
     step = phases.get("step_s", float("nan"))
     print("\ndspo step (filter off), median seconds per phase:")
     for key in [*PHASES, "other_s"]:
@@ -331,6 +335,7 @@ def profile(args: argparse.Namespace, work: Path, model: str) -> None:
     for op in result.get("top_ops", []):
         print(f"  {op['op'][:48]:48} {op['calls']:8d} calls {op['self_cpu_s']:8.2f} s {op['share']:6.1%}")
     out = args.out.with_name("profile_dspo_step.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(finite({"config": vars_json(args), "phases": phases, **result}), indent=1) + "\n")
     print(f"\nwrote {out}")
 
@@ -339,7 +344,7 @@ def vars_json(args: argparse.Namespace) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--model", default="scripted", help="scripted | toy | a local model directory")
@@ -366,14 +371,25 @@ def main() -> None:
     add("--child-timeout-s", type=float, default=400.0)
     add("--keep-work", action="store_true", help="keep the work dir (model, child logs) instead of deleting it")
     add("--budget-s", type=float, default=540.0, help="start no repeat that would end later than this")
-    add("--out", type=Path, default=ROOT / "bench" / "results" / "vs_trl.json")
-    add("--profile", action="store_true", help="profile one dspo run instead (writes profile_dspo_step.json)")
-    args = parser.parse_args()
+    add_output_arguments(parser, "vs_trl.json")
+    add(
+        "--profile",
+        action="store_true",
+        help="profile one dspo run instead (writes profile_dspo_step.json beside --out)",
+    )
+    args = parser.parse_args(argv)
     b, g = args.prompts, args.group_size
     args.micro_batch_size = args.micro_batch_size or (10 if (b * g) % 10 == 0 else b * g)
     if (b * g) % args.micro_batch_size or args.warmup < 1:
         parser.error(f"--micro-batch-size must divide B*G = {b * g} and --warmup must be >= 1")
     args.think_tokens = args.think_tokens or args.max_new_tokens / 2
+    args.out = output_path(parser, args, "vs_trl.json")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    b, g = args.prompts, args.group_size
     load_before, t0 = os.getloadavg(), time.perf_counter()
     if args.profile:
         work = Path(tempfile.mkdtemp(prefix="dspo_bench_profile_"))

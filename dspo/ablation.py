@@ -1,10 +1,14 @@
 """The ablation report: algorithms compared over seeds, with confidence intervals, compute-matched curves, collapses
 and what the sequence clip did. Reads runs with `dspo.analysis`.
 
-    python -m dspo.ablation outputs/multirun/<timestamp> [--json bench/results/ablation.json] [--figure PATH]
+    python -m dspo.ablation outputs/multirun/<timestamp> [--json outputs/ablation.json] [--figure outputs/ablation.png]
+
+It writes nothing unless `--json` / `--figure` are given (the README's report is `--json bench/results/ablation.json`).
 
 Definitions (stated in the README next to the numbers):
-- final value: a run's last logged `val/...` (the step-`max_steps` validation) or its `test/...` value;
+- final value: a run's last logged `val/...` after step 0 (the step-`max_steps` validation) or its `test/...` value; a
+  run shorter than `trainer.val_check_interval` has only its step-0 validation, so no final value and no gain (NaN,
+  reported as "no final validation yet"), never a gain of 0;
 - 95 % confidence interval: mean ± t(0.975, n-1) · s / sqrt(n) over seeds (Student t, s with ddof=1);
 - collapsed run: its final `val/subem_mean` is more than `COLLAPSE_DROP` below its own step-0 value (training made the
   warm start worse), or its sampled reward over the last fifth of the rounds is under half that of the first fifth;
@@ -25,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dspo.analysis import RunInfo, available_tags, find_runs, run_series
+from dspo.analysis import RunInfo, available_tags, find_runs, last_step, run_series
 
 COLLAPSE_DROP = 0.05
 TOKEN_CURVE_COLUMNS = ["algorithm", "tokens", "mean", "std", "n"]
@@ -51,23 +55,31 @@ def ci95(values: Sequence[float]) -> tuple[float, float]:
 
 
 def run_record(run: RunInfo) -> dict[str, float | str | int | bool | None]:
-    """One run's numbers: step-0 and final validation, test, sampled reward, tokens, collapse."""
+    """One run's numbers: step-0 and final validation, test, sampled reward, tokens, collapse, last logged step."""
     val = run_series(run, "val/subem_mean")
     reward = run_series(run, "rollout/sampled_reward_mean")
     tokens = run_series(run, "rollout/generated_tokens_total")
     record: dict[str, float | str | int | bool | None] = {"algorithm": run.algorithm, "seed": run.seed}
     record["val_start"] = float(val.loc[0]) if 0 in val.index else math.nan
-    record["val_final"] = float(val.iloc[-1]) if len(val) else math.nan
+    record["val_final"] = _final(val)
+    record["val_final_step"] = int(val.index[-1]) if len(val) and val.index[-1] > 0 else None
+    record["last_step"] = last_step(run)
     for tag in available_tags([run]):
         if tag.startswith(("val/", "test/")) and tag.endswith("subem") or tag == "test/subem_mean":
             series = run_series(run, tag)
-            record[f"{tag}@final"] = float(series.iloc[-1])
+            record[f"{tag}@final"] = _final(series) if tag.startswith("val/") else float(series.iloc[-1])
             if tag.startswith("val/") and 0 in series.index:
                 record[f"{tag}@0"] = float(series.loc[0])
     record["sampled_reward_mean"] = float(reward.mean()) if len(reward) else math.nan
     record["generated_tokens"] = float(tokens.iloc[-1]) if len(tokens) else math.nan
     record["collapsed"] = collapsed(val, reward)
     return record
+
+
+def _final(val: pd.Series) -> float:
+    """The last validation after step 0; NaN when step 0 is the only one (the step-0 value is the start, not an end)."""
+    after_start = val[val.index > 0]
+    return float(after_start.iloc[-1]) if len(after_start) else math.nan
 
 
 def collapsed(val: pd.Series, reward: pd.Series) -> bool:
@@ -94,6 +106,7 @@ def summary(records: Sequence[dict]) -> pd.DataFrame:
             mean, half = ci95(group[metric].tolist())
             row[metric], row[f"{metric}±"] = mean, half
         row["collapsed"] = int(group["collapsed"].sum())
+        row["no_final_val"] = int(group["val_final"].isna().sum())
         rows.append(row)
     return pd.DataFrame(rows).set_index("algorithm")
 
@@ -170,19 +183,35 @@ def plot_ablation(runs: Sequence[RunInfo], path: str | Path | None = None):
         smoothing = 0.6 if tag.startswith("rollout") else 0.0
         frame = curves_vs_tokens(runs, tag) if axis == "tokens" else curves(runs, tag, smoothing=smoothing)
         x = "tokens" if axis == "tokens" else "step"
+        # a curve needs two x values: a lone point (step 0 only) is drawn as a marker, and the panel says why
+        single = not frame.empty and frame.groupby("algorithm")[x].nunique().max() < 2
         for algorithm, group in frame.groupby("algorithm", sort=True):
             label = f"{algorithm} (n={int(group['n'].max())})"
-            ax.plot(group[x], group["mean"], color=colors[algorithm], label=label)
+            ax.plot(group[x], group["mean"], color=colors[algorithm], label=label, marker="o" if single else None)
             low, high = group["mean"] - group["std"], group["mean"] + group["std"]
             ax.fill_between(group[x], low, high, color=colors[algorithm], alpha=0.15)
         ax.set_title(f"{tag} vs {'generated tokens' if axis == 'tokens' else 'optimizer steps'}", fontsize=10)
         ax.set_xlabel("generated tokens (all sampled)" if axis == "tokens" else "step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if frame.empty:
+            _panel_note(ax, f"no data: no run logged {tag}")
+        else:
+            ax.legend(fontsize=8)
+        if single:
+            _panel_note(ax, _SINGLE_POINT_VAL if tag.startswith("val/") else "one point only: a single round logged")
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
     return fig
+
+
+_SINGLE_POINT_VAL = "step-0 validation only: the runs stopped before\nthe next one (trainer.val_check_interval)"
+
+
+def _panel_note(ax, text: str) -> None:
+    ax.text(
+        0.5, 0.75, text, ha="center", va="center", transform=ax.transAxes, color="gray", fontsize=9
+    )  # above a lone point
 
 
 def report(sweep: str | Path, minibatches: int = 2) -> dict:
@@ -197,17 +226,83 @@ def report(sweep: str | Path, minibatches: int = 2) -> dict:
     return {"runs": records, "summary": json.loads(table.to_json(orient="index")), "clip_activity": clip}
 
 
+# (column of `summary`, heading, format of one number): what the console shows, each as mean ± 95 % half-width
+CONSOLE_COLUMNS = [
+    ("val_start", "val step 0", "{:.3f}"),
+    ("val_final", "val final", "{:.3f}"),
+    ("val_gain", "gain", "{:+.3f}"),
+    ("val/toy_2hop/subem@final", "val 2-hop final", "{:.3f}"),
+    ("test/subem_mean@final", "test mean", "{:.3f}"),
+    ("sampled_reward_mean", "sampled reward", "{:.3f}"),
+    ("generated_tokens", "tokens sampled", "{:,.0f}"),
+]
+
+
+def format_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """`summary` as text: `n` an integer, each metric `mean ± half-width` (the mean alone for one run, "-" when no run
+    has a value), collapsed as `k / n`."""
+    out = pd.DataFrame(index=table.index)
+    out["n"] = table["n"].astype(int)
+    for column, heading, fmt in CONSOLE_COLUMNS:
+        if column in table.columns:
+            out[heading] = [_plus_minus(m, h, fmt) for m, h in zip(table[column], table[f"{column}±"], strict=True)]
+    out["collapsed"] = [f"{int(c)} / {int(n)}" for c, n in zip(table["collapsed"], table["n"], strict=True)]
+    return out
+
+
+def _plus_minus(mean: float, half: float, fmt: str) -> str:
+    if pd.isna(mean):
+        return "-"
+    return fmt.format(mean) if pd.isna(half) else f"{fmt.format(mean)} ± {fmt.format(half).lstrip('+')}"
+
+
+def format_clip(clip: dict[str, dict]) -> pd.DataFrame:
+    """`report()["clip_activity"]` as text rows (algorithm, position): steps, clipfrac, mean ratio range, extremes."""
+    rows = {}
+    for algorithm, positions in clip.items():
+        for position, c in positions.items():
+            logged = not pd.isna(c["clipfrac"])
+            rows[(algorithm, int(position))] = {
+                "steps": int(c["steps"]),
+                "clipfrac": f"{c['clipfrac']:.4f}" if logged else "not logged",
+                "ratio min .. max (mean)": f"{c['ratio_min']:.4f} .. {c['ratio_max']:.4f}" if logged else "-",
+                "extremes": f"{c['ratio_min_lowest']:.4f} .. {c['ratio_max_highest']:.4f}" if logged else "-",
+            }
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(["algorithm", "position"])
+
+
+def report_text(result: dict) -> str:
+    """What `python -m dspo.ablation` prints: the summary with intervals, why a value is missing, the clip activity."""
+    table = pd.DataFrame.from_dict(result["summary"], orient="index")
+    lines = [
+        f"{len(result['runs'])} runs; mean ± 95 % half-width over seeds (Student t; the mean alone for a single run)",
+        format_summary(table).to_string(),
+    ]
+    for algorithm, row in table.iterrows():
+        if row.get("no_final_val", 0):
+            steps = [
+                r["last_step"] for r in result["runs"] if r["algorithm"] == algorithm and r["last_step"] is not None
+            ]
+            lines.append(
+                f"{algorithm}: no final validation yet in {int(row['no_final_val'])} of {int(row['n'])} runs: only the "
+                f"step-0 validation was logged (runs end at step {max(steps, default=0)}, before the next validation: "
+                "trainer.val_check_interval), so 'val final' and 'gain' are blank, not 0"
+            )
+    if result["clip_activity"]:
+        lines += ["", "clip activity per position of the optimizer step in its round (0 = first mini-batch, on-policy;"]
+        lines += ["one run per algorithm):", format_clip(result["clip_activity"]).to_string()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dspo.ablation", description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", help="a multirun folder (or any folder holding dspo runs)")
-    parser.add_argument("--json", default=None, help="write the report here")
-    parser.add_argument("--figure", default=None, help="write the four-panel figure here (PNG)")
+    parser.add_argument("--json", default=None, help="write the report here (default: none)")
+    parser.add_argument("--figure", default=None, help="write the four-panel figure here (PNG; default: none)")
     parser.add_argument("--minibatches", type=int, default=2, help="algorithm.num_minibatches of the runs")
     args = parser.parse_args(argv)
     result = report(args.sweep, args.minibatches)
-    columns = ["n", "val_start", "val_final", "val_gain", "test/subem_mean@final", "collapsed"]
-    table = pd.DataFrame(result["summary"]).T
-    print(table[[c for c in columns if c in table.columns]].to_string())
+    print(report_text(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, default=float) + "\n")

@@ -15,9 +15,10 @@ the same code works headless and inline in Jupyter (`%matplotlib inline` renders
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +185,12 @@ def run_series(run: RunInfo, tag: str, smoothing: float = 0.0) -> pd.Series:
     return pd.Series(values, index=rows["step"].to_numpy(), name=run.run_name, dtype="float64")
 
 
+def last_step(run: RunInfo) -> int | None:
+    """The largest step at which the run logged any scalar (None before its first event file)."""
+    steps = _scalars_cached(run.dir)["step"]
+    return int(steps.max()) if len(steps) else None
+
+
 def curves(runs: Sequence[RunInfo], tag: str, smoothing: float = 0.0) -> pd.DataFrame:
     """Per algorithm and step: mean, std (ddof=1; 0 for one run), min, max and n over its runs, for `tag`.
 
@@ -331,6 +338,38 @@ def _draw_panel(ax, frame: pd.DataFrame, tag: str, spread: str, colors: dict[str
         elif spread == "minmax":
             ax.fill_between(group["step"], group["min"], group["max"], alpha=0.2, color=colors[algorithm])
     ax.legend(fontsize=8)
+
+
+# The notebook's figures: its environment variable -> the README figure of that name in docs/
+SHIPPED_FIGURES = {"DSPO_FIGURE": "sweep.png", "DSPO_ABLATION_FIGURE": "ablation.png"}
+UPDATE_SHIPPED_VAR = "DSPO_UPDATE_SHIPPED"
+
+
+def figure_paths(run_dir: str | Path, env: Mapping[str, str] | None = None) -> dict[str, Path | None]:
+    """Where the notebook saves each figure (keyed by its variable in SHIPPED_FIGURES; None = not saved).
+
+    The variable's path when set (empty = no file), else `<run_dir>/figures/<name>`, next to the runs it shows. The
+    README's tracked `docs/<name>` only with DSPO_UPDATE_SHIPPED=1 (then the default); naming a file in docs/ without
+    it is refused, so following the docs never replaces the README's figures with a test sweep.
+    """
+    env = os.environ if env is None else env
+    update = env.get(UPDATE_SHIPPED_VAR, "").lower() in ("1", "true", "yes")
+    docs = (Path(__file__).resolve().parents[1] / "docs").resolve()
+    paths: dict[str, Path | None] = {}
+    for var, name in SHIPPED_FIGURES.items():
+        value = env.get(var)
+        if value == "":
+            paths[var] = None
+            continue
+        default = docs / name if update else Path(run_dir) / "figures" / name
+        path = Path(value).expanduser() if value is not None else default
+        if not update and path.absolute().resolve().is_relative_to(docs):
+            raise ValueError(
+                f"{var}: {path} is in the repository's docs/ (the README's figures); set {UPDATE_SHIPPED_VAR}=1 to "
+                f"replace them, or unset {var} to write {Path(run_dir) / 'figures' / name}"
+            )
+        paths[var] = path
+    return paths
 
 
 def runs_frame(runs: Sequence[RunInfo]) -> pd.DataFrame:

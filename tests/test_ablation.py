@@ -101,3 +101,44 @@ def test_report_and_cli(sweep, tmp_path, capsys) -> None:
     result = json.loads(out.read_text())
     assert set(result) == {"runs", "summary", "clip_activity"} and result["summary"]["grpo"]["collapsed"] == 1
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.fixture(scope="module")
+def short_sweep(tmp_path_factory) -> Path:
+    """A sweep shorter than the validation interval: each run validated at step 0 only, then 2 rounds (4 updates)."""
+    root = tmp_path_factory.mktemp("short_sweep")
+    write_run(root / "0_dspo_seed0", "dspo", 0, {0: 0.2}, [0.3, 0.4])
+    write_run(root / "1_dspo_seed1", "dspo", 1, {0: 0.2}, [0.3, 0.5])
+    write_run(root / "2_grpo_seed0", "grpo", 0, {0: 0.2}, [0.3, 0.1])
+    return root
+
+
+def test_sweep_shorter_than_the_validation_interval(short_sweep, tmp_path, capsys) -> None:
+    """Step 0 is the only validation: no final value and no gain (not a gain of 0), said on the console and in the
+    figure's panels; n is an integer and the console has the intervals, tokens and clip activity of the JSON."""
+    records = [ablation.run_record(r) for r in find_runs(short_sweep)]
+    assert all(math.isnan(r["val_final"]) and r["val_start"] == pytest.approx(0.2) for r in records)
+    assert all(r["last_step"] == 3 and r["val_final_step"] is None for r in records)
+    table = ablation.summary(records)
+    assert math.isnan(table.loc["dspo", "val_gain"]) and table.loc["dspo", "no_final_val"] == 2
+    ablation.main([str(short_sweep), "--json", str(tmp_path / "a.json")])
+    out = capsys.readouterr().out
+    assert "dspo: no final validation yet in 2 of 2 runs" in out and "runs end at step 3" in out
+    dspo_row = next(line for line in out.splitlines() if line.startswith("dspo "))
+    assert dspo_row.split()[1] == "2"  # n, not 2.0
+    assert "0.375 ± 0.318" in dspo_row  # sampled reward: run means 0.35, 0.40; ± 12.706 * 0.0354 / sqrt(2)
+    assert "200 ± 0" in dspo_row and "2 / 2" not in dspo_row and "0 / 2" in dspo_row  # tokens, collapsed
+    assert "clip activity" in out and "0.4000" in out  # the second mini-batch's clipfrac
+    fig = ablation.plot_ablation(find_runs(short_sweep))
+    notes = [" ".join(t.get_text() for t in ax.texts) for ax in fig.axes]
+    assert sum("step-0 validation only" in note for note in notes) == 3 and notes[3] == ""
+
+
+def test_console_table_carries_intervals_tokens_and_clip(sweep, capsys) -> None:
+    ablation.main([str(sweep)])
+    out = capsys.readouterr().out
+    dspo_row = next(line for line in out.splitlines() if line.startswith("dspo "))
+    half = 12.706 * math.sqrt(0.005) / math.sqrt(2)
+    assert dspo_row.split()[1] == "2" and f"0.550 ± {half:.3f}" in dspo_row and f"+0.350 ± {half:.3f}" in dspo_row
+    assert "tokens sampled" in out and "no final validation" not in out
+    assert "ratio min .. max (mean)" in out and "0.9900 .. 1.0200" in out

@@ -224,3 +224,24 @@ def test_notebook_executes_headless(sweep: Path, tmp_path: Path, monkeypatch: py
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # figures render inline
     html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "0.500 ± 0.141" in html  # the final test table
+
+
+def test_notebook_figures_go_next_to_the_runs_not_over_the_readme(tmp_path: Path) -> None:
+    """The notebook's figure paths (`figure_paths`): `<run dir>/figures/` by default, the README's docs/*.png only
+    with DSPO_UPDATE_SHIPPED=1, and the documented commands do not name docs/ without it."""
+    docs = REPO / "docs"
+    sweep = tmp_path / "sweep"
+    assert analysis.figure_paths(sweep, env={}) == {
+        "DSPO_FIGURE": sweep / "figures" / "sweep.png",
+        "DSPO_ABLATION_FIGURE": sweep / "figures" / "ablation.png",
+    }
+    env = {"DSPO_FIGURE": str(tmp_path / "a.png"), "DSPO_ABLATION_FIGURE": ""}  # "" = do not save
+    assert analysis.figure_paths(sweep, env=env) == {"DSPO_FIGURE": tmp_path / "a.png", "DSPO_ABLATION_FIGURE": None}
+    with pytest.raises(ValueError, match="DSPO_UPDATE_SHIPPED=1"):
+        analysis.figure_paths(sweep, env={"DSPO_FIGURE": str(docs / "sweep.png")})
+    shipped = analysis.figure_paths(sweep, env={"DSPO_UPDATE_SHIPPED": "1"})
+    assert shipped == {"DSPO_FIGURE": docs / "sweep.png", "DSPO_ABLATION_FIGURE": docs / "ablation.png"}
+    guide = (docs / "notebook.md").read_text()
+    commands = [line for line in guide.splitlines() if "DSPO_RUN_DIR=" in line]
+    assert commands and not any("docs/" in line and "DSPO_UPDATE_SHIPPED=1" not in line for line in commands)
+    assert "figure_paths(RUN_DIR)" in NOTEBOOK.read_text()

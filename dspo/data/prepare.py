@@ -9,8 +9,10 @@ Every row is FlashRAG-shaped (`id`, `question`, `golden_answers`) plus `data_sou
 loads with `dspo.data.qa.load_qa` and keeps track of where a training question came from.
 
 A source is anything `load_qa` reads: a local FlashRAG / Search-R1 / plain file, a folder of `<split>.*` files, or
-(online only) a hub dataset `owner/name:config`. `splits` lists the splits to try in order: Search-R1's test merge
-takes `test` when a benchmark has one and falls back to `dev` (HotpotQA, 2Wiki, MuSiQue have no public test answers).
+a hub dataset `owner/name:config` (online, or from `$DSPO_HUB_MIRROR`). Every source is checked before any is read,
+so a missing path or mirror stops the command in a second, naming it. `splits` lists the splits to try in order:
+Search-R1's test merge takes `test` when a benchmark has one and falls back to `dev` (HotpotQA, 2Wiki, MuSiQue have no
+public test answers).
 A source holding several benchmarks (Search-R1's merged `test.parquet`, rows tagged `data_source`) is split by
 benchmark.
 """
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dspo.data.qa import QADataError, load_qa
+from dspo.data.qa import QADataError, check_source, load_qa
 from dspo.types import QAItem
 
 PAPER_BENCHMARKS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -90,6 +93,8 @@ def prepare(
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty; choose another output_dir or set overwrite=true")
+    for source in dict.fromkeys([*train_sources, *test_sources]):  # all at once, before minutes of reading
+        check_source(source)
     counts: dict[str, int] = {}
     if train_sources:
         train = [item for source in train_sources for item in load_with_splits(source, train_splits, train_limit)]
@@ -139,7 +144,10 @@ def main() -> None:
     def _run(cfg: DictConfig) -> None:
         kwargs = OmegaConf.to_container(cfg, resolve=True)
         kwargs.pop("hub", None)  # only an interpolation helper for the source names
-        counts = prepare(**kwargs)
+        try:
+            counts = prepare(**kwargs)
+        except (QADataError, FileExistsError) as error:  # the message says what to fix; a traceback would bury it
+            sys.exit(f"dspo-prepare-data: {error}")
         print(summary(cfg.output_dir, counts))
 
     _run()

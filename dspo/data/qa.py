@@ -10,9 +10,13 @@ Three row schemas are recognised from a file's columns:
 
 A source is a local file (`.jsonl`, `.json`, `.parquet`), a local folder holding `<split>.jsonl|json|parquet`, or a
 Hugging Face hub dataset written `owner/name` or `owner/name:config` (e.g. `RUC-NLPIR/FlashRAG_datasets:nq`): fetched
-when the machine is online, or read from `$DSPO_HUB_MIRROR/owner/name` when that local snapshot of the hub repository
-exists (offline clusters; the tests use it with files in the hub repositories' own layouts). The benchmark of an item
-is the `benchmark` argument, else the row's `data_source`, else the file's stem (the folder's name, the hub config).
+when the machine is online, or, when `$DSPO_HUB_MIRROR` is set, read from the local snapshot of the hub repository at
+`$DSPO_HUB_MIRROR/owner/name` and nowhere else (offline clusters; the tests use it with files in the hub repositories'
+own layouts). The benchmark of an item is the `benchmark` argument, else the row's `data_source`, else the file's stem
+(the folder's name, the hub config).
+
+A source that does not exist locally is a hub name only when it cannot be a path (`looks_like_path`); a missing path,
+a missing mirror and an unreachable hub are each reported at once, before `datasets` starts its network retries.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _MIRROR_VAR = "DSPO_HUB_MIRROR"
 log = logging.getLogger(__name__)
+# Suffixes that make a name a file, never a hub repository (hub names may hold dots, e.g. `owner/squad_v1.1`)
+_FILE_SUFFIXES = {*_BUILDERS, ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".tar"}
+_HUB_CHECK_TIMEOUT_S = 5.0  # one request, no retries: an unreachable hub answers in this time, not in ~30 s
 
 
 class QADataError(ValueError):
@@ -113,6 +120,7 @@ def load_benchmarks(
 
 def _open(source: str, split: str) -> tuple[Any, str]:
     """(datasets.Dataset, default benchmark name) for a local file, a local folder or a hub name."""
+    check_source(source)  # a missing path or mirror is known without `datasets` and without the network
     import datasets  # imported lazily: `datasets` costs ~1 s at import and most callers never need it
 
     local = Path(source).expanduser()
@@ -144,25 +152,50 @@ def _split_file(folder: Path, split: str) -> Path:
     raise QADataError(f"{folder}: folder has no {split}.jsonl, {split}.json or {split}.parquet (split={split!r})")
 
 
+def looks_like_path(source: str) -> bool:
+    """Whether a source that does not exist locally can only have meant a local path, never a hub name.
+
+    A path: starts with `.`, `/` or `~`; ends in a file suffix (`.jsonl`, `.parquet`, ...); has no `/` or more than one;
+    or its first component is a local folder (`raw/nq` when `./raw/` exists). Otherwise (`owner/name[:config]` with no
+    local `owner/`) it is a hub name.
+    """
+    name = source.partition(":")[0]
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") != 1:
+        return True
+    owner, _, repo = name.partition("/")
+    return not owner or not repo or Path(name).suffix.lower() in _FILE_SUFFIXES or Path(owner).is_dir()
+
+
+def check_source(source: str) -> None:
+    """Raise QADataError at once when `source` is a local path that does not exist, or a hub name that
+    `$DSPO_HUB_MIRROR` (when set) cannot hold; `dspo-prepare-data` checks every source this way before reading any."""
+    if Path(source).expanduser().exists():
+        return
+    if looks_like_path(source):
+        raise QADataError(_not_found(source))
+    _hub_location(source.partition(":")[0], source)
+
+
+def _not_found(source: str) -> str:
+    path = Path(source).expanduser().absolute()
+    # What the folder above holds, when it exists: the usual mistake is a misspelled or not yet downloaded name
+    held = sorted(p.name for p in path.parent.iterdir())[:8] if path.parent.is_dir() else []
+    listing = f"; {path.parent} holds: {', '.join(held) or 'nothing'}" if path.parent.is_dir() else ""
+    return (
+        f"not found: {path} (source {source!r}, relative to {Path.cwd()}){listing}. Give a .jsonl/.json/.parquet file, "
+        "a folder with <split>.* files, or a hub name owner/name[:config]"
+    )
+
+
 def _open_hub(source: str, split: str) -> tuple[Any, str]:
-    """Hub dataset `owner/name[:config]`; refused with a clear message when it cannot be a hub name or when offline."""
+    """Hub dataset `owner/name[:config]`, from `$DSPO_HUB_MIRROR` when set, else from the hub after one quick check
+    that it answers and has the dataset."""
     import datasets
 
     name, _, config = source.partition(":")
-    looks_like_hub = name.count("/") == 1 and not Path(name).suffix and not name.startswith((".", "/", "~"))
-    if not looks_like_hub:
-        raise QADataError(
-            f"{source}: no such file or folder (relative paths resolve against {Path.cwd()}); "
-            "give a .jsonl/.json/.parquet file, a folder with <split>.* files, or a hub name owner/name[:config]"
-        )
-    location = _hub_location(name)
-    offline = any(os.environ.get(var, "0").lower() in ("1", "true", "yes") for var in _OFFLINE_VARS)
-    if offline and location == name:
-        raise QADataError(
-            f"{source}: looks like a Hugging Face hub dataset, but the machine is offline "
-            f"({'/'.join(_OFFLINE_VARS)} set); download it elsewhere and pass the local file, or set "
-            f"{_MIRROR_VAR}=DIR to a folder holding {name}/ as downloaded from the hub"
-        )
+    location = _hub_location(name, source)
+    if location == name:
+        _check_hub(name, source)
     try:
         # One call for the hub and a mirror: `datasets` reads a repository's README `configs:` the same way in both.
         dataset = datasets.load_dataset(location, config or None, split=split)
@@ -171,15 +204,64 @@ def _open_hub(source: str, split: str) -> tuple[Any, str]:
     return dataset, config or name.split("/")[-1]
 
 
-def _hub_location(name: str) -> str:
-    """`$DSPO_HUB_MIRROR/owner/name` when that folder exists (a hub snapshot, e.g. `hf download --repo-type dataset
-    owner/name --local-dir MIRROR/owner/name` on a machine that has network), else the hub name itself."""
+def _hub_location(name: str, source: str) -> str:
+    """`$DSPO_HUB_MIRROR/owner/name` when the variable is set (a hub snapshot, e.g. `hf download --repo-type dataset
+    owner/name --local-dir MIRROR/owner/name` on a machine that has network), else the hub name itself. A set mirror
+    is the only place looked at: a missing mirror or snapshot is an error, not a reason to try the network."""
     mirror = os.environ.get(_MIRROR_VAR)
-    if mirror:
-        local = Path(mirror).expanduser() / name
-        if local.is_dir():
-            return str(local)
-    return name
+    if not mirror:
+        return name
+    root = Path(mirror).expanduser().absolute()
+    if not root.is_dir():
+        raise QADataError(
+            f"{source}: {_MIRROR_VAR}={mirror} does not exist ({root} is not a folder); point it at the folder that "
+            f"holds owner/name/ hub snapshots, or unset it to use the hub. {_no_local_path(name)}"
+        )
+    local = root / name
+    if not local.is_dir():
+        raise QADataError(
+            f"{source}: {_MIRROR_VAR} has no snapshot of {name} (looked for the folder {local}); download it there "
+            f"with `hf download --repo-type dataset {name} --local-dir {local}`. {_no_local_path(name)}"
+        )
+    return str(local)
+
+
+def _no_local_path(name: str) -> str:
+    return f"No local path {Path(name).absolute()} exists either (a local folder is written ./{name})."
+
+
+def _check_hub(name: str, source: str) -> None:
+    """Refuse a hub name when offline, when the hub does not answer, or when it has no such dataset: one request with
+    a short timeout, where `datasets` would retry for ~30 s and then name neither the path nor the mirror."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    mirror_hint = f"or set {_MIRROR_VAR}=DIR to a folder holding {name}/ as downloaded from the hub"
+    # the variables as they are now, and huggingface_hub's own flag (read once, when it was imported)
+    offline = any(os.environ.get(var, "0").lower() in ("1", "true", "yes") for var in _OFFLINE_VARS)
+    if offline or getattr(constants, "HF_HUB_OFFLINE", False):
+        raise QADataError(
+            f"{source}: looks like a Hugging Face hub dataset, but the machine is offline ({'/'.join(_OFFLINE_VARS)} "
+            f"set). {_no_local_path(name)} Download it elsewhere and pass the local file, {mirror_hint}"
+        )
+    try:
+        HfApi().dataset_info(name, timeout=_HUB_CHECK_TIMEOUT_S)
+    except GatedRepoError:
+        return  # it exists; `datasets` says what access it needs
+    except OfflineModeIsEnabled as error:
+        raise QADataError(f"{source}: the hub is in offline mode ({error}). {_no_local_path(name)}") from error
+    except RepositoryNotFoundError as error:
+        raise QADataError(
+            f"{source}: the Hugging Face hub has no dataset {name} (or it is private: log in with `hf auth login`). "
+            f"{_no_local_path(name)}"
+        ) from error
+    except HfHubHTTPError:
+        return  # the hub answered (e.g. a 5xx): leave it to `datasets` and its retries
+    except Exception as error:  # DNS, refused connection, timeout: the hub cannot be reached
+        raise QADataError(
+            f"{source}: the Hugging Face hub ({constants.ENDPOINT}) cannot be reached "
+            f"({type(error).__name__}: {error}). {_no_local_path(name)} Pass a local file or folder, {mirror_hint}"
+        ) from error
 
 
 def _detect_schema(columns: set[str], source: str) -> str:

@@ -1,13 +1,16 @@
 """Rebuild the shipped warm start (`data/toy_warmstart/`) from scratch, and measure what a warm start can do.
 
-    python -m dspo.toy.rebuild                       # world + tokenizer + SFT into a temp folder, measure, ship
-    python -m dspo.toy.rebuild --output DIR          # ship somewhere else (the tests rebuild into a temp folder)
+    python -m dspo.toy.rebuild                       # world + tokenizer + SFT in a temp folder, measure, write to
+                                                     # outputs/toy_warmstart (in the working directory)
+    python -m dspo.toy.rebuild --output DIR          # write to DIR (the tests rebuild into a temp folder)
+    python -m dspo.toy.rebuild --update-shipped      # replace the repository's data/toy_warmstart (what configs adopt)
     python -m dspo.toy.rebuild --report MODEL_DIR    # only measure a model folder (shipped or rebuilt)
     python -m dspo.toy.rebuild -- prepare.toyworld.config.steps=2000   # Hydra overrides of the train config
 
 It composes the train config (so the world, vocabulary, warm-start recipe and agent settings are the ones
 `dspo-train` uses), builds everything with `shipped=None`, measures the model and writes `tokenizer/`, `model/` and
-`report.json` to the output. The report holds, per question type (1-hop, 2-hop):
+`report.json` to the output; only `--update-shipped` writes over the tracked `data/toy_warmstart/`. The report holds,
+per question type (1-hop, 2-hop):
 - `train_sampled`: the share of sampled trajectories that answer *training* questions (entities the warm start never
   saw) at the RL temperature, G per question: the rate at which RL's groups will be mixed;
 - `val_greedy`: greedy subEM on the validation questions (what step 0 of a run's validation logs);
@@ -32,6 +35,7 @@ if TYPE_CHECKING:  # heavy imports stay inside the functions that need them (sta
     from dspo.types import Trajectory
 
 SHIPPED = "toy_warmstart"
+DEFAULT_OUTPUT = Path("outputs") / SHIPPED  # the user's outputs/, like dspo-train's; never the tracked data/ by default
 
 
 def compose_train(overrides: list[str]):
@@ -122,14 +126,31 @@ def ship(workdir: str, output: Path, report: dict) -> None:
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `output` resolved: `--output`, else data/toy_warmstart for `--update-shipped`, else
+    outputs/toy_warmstart."""
     parser = argparse.ArgumentParser(prog="python -m dspo.toy.rebuild", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", default=str(data_dir() / SHIPPED), help="where tokenizer/, model/, report.json go")
+    parser.add_argument(
+        "--output", default=None, help=f"where tokenizer/, model/, report.json go (default: {DEFAULT_OUTPUT})"
+    )
+    parser.add_argument(
+        "--update-shipped", action="store_true", help=f"write the repository's {data_dir() / SHIPPED} instead"
+    )
     parser.add_argument("--workdir", default=None, help="build folder (default: a temporary one)")
     parser.add_argument("--report", metavar="MODEL_DIR", default=None, help="only measure this model; print JSON")
     parser.add_argument("--questions", type=int, default=200, help="train questions sampled for the report")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the train config (after --)")
     args = parser.parse_args(argv)
+    if args.update_shipped and args.output is not None:
+        parser.error("--output and --update-shipped both name the output; give one")
+    args.output = str(data_dir() / SHIPPED) if args.update_shipped else args.output or str(DEFAULT_OUTPUT)
+    if args.report is not None and not (Path(args.report) / "config.json").is_file():
+        parser.error(f"--report {args.report}: not a model folder (no config.json)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import dspo  # noqa: F401  registers the config resolvers
     from dspo.console import quiet_console
@@ -138,8 +159,6 @@ def main(argv: list[str] | None = None) -> None:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="dspo_toy_rebuild_")
     if args.report is not None:
-        if not (Path(args.report) / "config.json").is_file():
-            parser.error(f"--report {args.report}: not a model folder (no config.json)")
         world = build_world(workdir, args.overrides)
         print(json.dumps(measure(args.report, world, args.overrides, args.questions), indent=2))
         return
@@ -149,7 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     report["build_seconds"] = round(time.perf_counter() - start, 1)
     ship(workdir, Path(args.output), report)
     print(json.dumps(report, indent=2))
-    print(f"shipped to {args.output}")
+    if args.update_shipped:
+        print(f"shipped to {args.output}")
+    else:  # the default config adopts only data/toy_warmstart (prepare.toyworld.shipped)
+        print(f"wrote {args.output}; to use it: prepare.toyworld.shipped={Path(args.output).absolute()}")
 
 
 if __name__ == "__main__":

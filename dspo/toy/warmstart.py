@@ -18,7 +18,7 @@ as validation ones. `early_stop_share` makes a share of the 2-hop demonstrations
 under-searching of instruct models on multi-hop questions that Search-R1-style RL corrects.
 
 The repository ships the result for the default config (`data/toy_warmstart`, rebuilt by `python -m
-dspo.toy.rebuild`); `prepare_toy_default` adopts it when the manifests match (`dspo.toy.shipped`).
+dspo.toy.rebuild --update-shipped`); `prepare_toy_default` adopts it when the manifests match (`dspo.toy.shipped`).
 
 Everything is cached: `prepare_toy_default` reuses a world, tokenizer and model whose manifests match the config.
 """

@@ -172,9 +172,10 @@ def test_round_checkpoints_stay_on_round_boundaries_after_a_skipped_step(tmp_pat
         saved[path.name] = (state["global_step"], state["callbacks"]["EnvironmentCallback"])
     # rounds end after slots 2, 4 and 6, i.e. at optimizer steps 1, 3 and 5 (one step of round 0 was skipped)
     assert sorted(saved) == ["step00001.ckpt", "step00003.ckpt", "step00005.ckpt"]
-    for name, (step, environment) in saved.items():
+    assert [saved[k][0] for k in sorted(saved)] == [1, 3, 5]
+    for name, (_, environment) in saved.items():
         assert environment["cursor"] == 0, f"{name} was saved mid-round"
-    assert [env["rounds_completed"] for _, env in (saved[k] for k in sorted(saved))] == [1, 2, 3]
+    assert [saved[k][1]["rounds_completed"] for k in sorted(saved)] == [1, 2, 3]
 
 
 def test_preemption_handlers_are_restored_when_training_ends(tmp_path: Path) -> None:

@@ -98,6 +98,40 @@ def test_load_with_splits_errors(sources: Path) -> None:
         load_with_splits(str(sources / "bad"), ["test", "dev"])
 
 
+def test_prepare_checks_every_source_before_writing(sources: Path, tmp_path: Path) -> None:
+    """A missing test source stops the run before the (long) training sources are read or anything is written."""
+    out = tmp_path / "out"
+    missing = tmp_path / "raw" / "triviaqa"
+    with pytest.raises(QADataError, match=f"not found: {missing} "):
+        prepare(str(out), [str(sources / "nq")], [str(sources / "nq"), str(missing)])
+    assert not out.exists()
+
+
+def test_cli_names_a_missing_local_folder(sources: Path, tmp_path: Path) -> None:
+    """The docs' offline form with a folder that is not there: exit 1, the absolute path, no traceback, no hub."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DSPO_HUB_MIRROR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # never asked: raw/ exists here, so raw/triviaqa is a path
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspo.data.prepare",
+            "output_dir=out",
+            "train_sources=[raw/nq]",
+            "test_sources=[raw/triviaqa]",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"dspo-prepare-data: not found: {tmp_path / 'raw' / 'triviaqa'} ")
+    assert "Traceback" not in result.stderr and "Hub" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_cli_writes_files(sources: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli_out"

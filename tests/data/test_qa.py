@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
 
-from dspo.data.qa import QADataError, load_benchmarks, load_qa
+from dspo.data.qa import QADataError, check_source, load_benchmarks, load_qa, looks_like_path
 from dspo.resources import data_dir
 
 BENCHMARKS = data_dir() / "benchmarks"
@@ -155,7 +157,7 @@ def test_unknown_schema_and_bad_sources(tmp_path: Path, monkeypatch: pytest.Monk
     path = write_jsonl(tmp_path / "odd.jsonl", [{"query": "q", "label": "a"}])
     with pytest.raises(QADataError, match=r"odd\.jsonl: cannot tell the schema from columns \['label', 'query'\]"):
         load_qa(path)
-    with pytest.raises(QADataError, match="no such file or folder"):
+    with pytest.raises(QADataError, match=f"not found: {tmp_path / 'missing.jsonl'}"):
         load_qa(str(tmp_path / "missing.jsonl"))
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(QADataError, match="unsupported file type '.txt'"):
@@ -196,3 +198,75 @@ def test_golds_that_normalize_to_empty_are_dropped_and_counted(tmp_path: Path, c
         items = load_qa(write_jsonl(tmp_path / "nq.jsonl", rows))
     assert [(i.id, i.golden_answers) for i in items] == [("a", ["the symbol ×"]), ("c", ["Paris"])]
     assert "dropped 2 gold answer(s)" in caplog.text and "skipped 1 question(s)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("./raw/nq", True),
+        ("/data/raw/nq", True),
+        ("~/raw/nq", True),
+        ("nq", True),  # no owner: not a hub name
+        ("raw/nq/train.jsonl", True),  # more than one '/'
+        ("raw/nq.parquet", True),  # a file suffix
+        ("raw/nq", False),  # no ./raw here: a hub candidate
+        ("RUC-NLPIR/FlashRAG_datasets:nq", False),
+        ("owner/squad_v1.1", False),  # dots are allowed in hub names
+    ],
+)
+def test_looks_like_path(source: str, expected: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert looks_like_path(source) is expected
+    (tmp_path / "raw").mkdir()  # once ./raw is a folder, raw/... can only be a path
+    assert looks_like_path("raw/nq") and looks_like_path("raw/nq:config")
+
+
+def test_missing_local_path_is_named_with_its_absolute_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSPO_HUB_MIRROR", raising=False)
+    with pytest.raises(QADataError, match=f"not found: {tmp_path / 'raw' / 'nq'} "):
+        load_qa("./raw/nq")
+    (tmp_path / "raw" / "hotpotqa").mkdir(parents=True)
+    start = time.perf_counter()
+    with pytest.raises(QADataError, match=rf"not found: {tmp_path / 'raw' / 'nq'} .*raw holds: hotpotqa"):
+        load_qa("raw/nq")  # ./raw exists: a path, never sent to the hub
+    assert time.perf_counter() - start < 5
+
+
+def _closed_port_endpoint() -> str:
+    with socket.socket() as sock:  # a port that was free a moment ago: connections to it are refused
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_unreachable_hub_fails_fast_and_names_the_missing_local_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`raw/nq` with no ./raw folder is a hub candidate; the hub does not answer: one quick error, no retry loop."""
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("DSPO_HUB_MIRROR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", _closed_port_endpoint())
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at import, from conftest's HF_HUB_OFFLINE=1
+    start = time.perf_counter()
+    with pytest.raises(QADataError) as error:
+        load_qa("raw/nq", split="train")
+    assert time.perf_counter() - start < 5
+    message = str(error.value)
+    assert "cannot be reached" in message and f"No local path {tmp_path / 'raw' / 'nq'} exists" in message
+    assert "./raw/nq" in message and "ConnectError" in message  # the request was made, and refused
+
+
+def test_missing_mirror_and_missing_snapshot_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # a mirror is how offline machines read hub names
+    monkeypatch.setenv("DSPO_HUB_MIRROR", str(tmp_path / "nonexistent"))
+    with pytest.raises(QADataError, match=f"DSPO_HUB_MIRROR={tmp_path / 'nonexistent'} does not exist"):
+        load_qa("RUC-NLPIR/FlashRAG_datasets:nq", split="test")
+    (tmp_path / "mirror" / "RUC-NLPIR").mkdir(parents=True)
+    monkeypatch.setenv("DSPO_HUB_MIRROR", str(tmp_path / "mirror"))
+    looked_for = tmp_path / "mirror" / "RUC-NLPIR" / "FlashRAG_datasets"
+    with pytest.raises(QADataError, match=f"looked for the folder {looked_for}"):
+        check_source("RUC-NLPIR/FlashRAG_datasets:nq")

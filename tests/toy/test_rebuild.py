@@ -1,6 +1,8 @@
-"""`python -m dspo.toy.rebuild`'s report: how a sampled 2-hop rollout is classified."""
+"""`python -m dspo.toy.rebuild`: how a sampled 2-hop rollout is classified, and where the rebuild is written."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,17 @@ def test_report_refuses_a_folder_without_a_model(tmp_path, capsys) -> None:
         main(["--report", str(tmp_path), "--workdir", str(tmp_path / "work")])
     assert f"--report {tmp_path}: not a model folder (no config.json)" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # refused before building anything
+
+
+def test_rebuild_writes_outside_the_repository_unless_asked(capsys) -> None:
+    """`python -m dspo.toy.rebuild` writes outputs/toy_warmstart; the tracked data/toy_warmstart/ only with
+    --update-shipped (the slow rebuild test passes --output DIR)."""
+    from dspo.resources import data_dir
+    from dspo.toy.rebuild import parse_args
+
+    assert Path(parse_args([]).output) == Path("outputs") / "toy_warmstart"
+    assert Path(parse_args(["--update-shipped"]).output) == data_dir() / "toy_warmstart"
+    assert parse_args(["--output", "/tmp/rebuilt"]).output == "/tmp/rebuilt"
+    with pytest.raises(SystemExit):
+        parse_args(["--output", "/tmp/rebuilt", "--update-shipped"])
+    assert "--output and --update-shipped" in capsys.readouterr().err

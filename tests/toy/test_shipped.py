@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_default_config_adopts_the_shipped_model_without_training(tmp_path, monkeypatch) -> None:
     def no_sft(*args, **kwargs):
-        raise AssertionError("the default config no longer matches data/toy_warmstart: run python -m dspo.toy.rebuild")
+        raise AssertionError(
+            "the default config no longer matches data/toy_warmstart: run python -m dspo.toy.rebuild --update-shipped"
+        )
 
     monkeypatch.setattr(warmstart, "train_sft", no_sft)
     cfg = compose_train([f"paths.toy_root={tmp_path / 'toy'}"])

@@ -1,0 +1,33 @@
+"""Where a benchmark writes its JSON: the user's `outputs/bench/` (relative to the working directory, like
+`dspo-train`'s `outputs/`), never the repository's tracked `bench/results/` unless asked with `--update-shipped`
+(those files are the numbers bench/README.md and the README quote)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_DIR = Path("outputs") / "bench"
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, name: str, flag: str = "--out") -> None:
+    """`flag` (a JSON path) and `--update-shipped` (write bench/results/`name`, the tracked result)."""
+    parser.add_argument(
+        flag, type=Path, default=None, help=f"JSON to write (default: {DEFAULT_DIR / name} in the working directory)"
+    )
+    parser.add_argument(
+        "--update-shipped",
+        action="store_true",
+        help=f"write bench/results/{name}, the tracked numbers the READMEs quote (only when re-measuring them)",
+    )
+
+
+def output_path(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str, flag: str = "--out") -> Path:
+    """The JSON path the parsed `args` ask for; an explicit path and `--update-shipped` together are refused."""
+    given = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if args.update_shipped and given is not None:
+        parser.error(f"{flag} and --update-shipped both name the output; give one")
+    if args.update_shipped:
+        return SHIPPED_DIR / name
+    return Path(given) if given is not None else DEFAULT_DIR / name
