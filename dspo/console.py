@@ -99,6 +99,19 @@ def install_log_filters() -> None:
                     handler.addFilter(log_filter)
 
 
+def one_lightning_console() -> None:
+    """Lightning's `lightning` logger has a console handler of its own ("INFO: ...") and also passes its records on
+    to the root logger, which Hydra gives a console (and file) handler: every Lightning line printed twice. With a root
+    handler in place, Lightning's own console handler goes; its lines then print once, in Hydra's format, and reach
+    the run's log file. Call after `lightning` is imported (it adds the handler then)."""
+    if not logging.getLogger().handlers:  # no Hydra (a library user's script): Lightning's handler is the only one
+        return
+    lightning_logger = logging.getLogger("lightning")
+    for handler in list(lightning_logger.handlers):
+        if type(handler) is logging.StreamHandler:
+            lightning_logger.removeHandler(handler)
+
+
 def vllm_notice_filter() -> logging.Filter:
     """The filter vLLM's own log handler uses (named in the logging config written by `quiet_console`)."""
     return _FILTERS[0]

@@ -108,6 +108,7 @@ class DSPOModule(pl.LightningModule):
         self.policy: nn.Module | None = None
         self.reference: nn.Module | None = None
         self.environment = None  # set by EnvironmentCallback: provides predict(items) for validation/test
+        self.run_record: dict | None = None  # the run's settings (dspo.record), set by dspo.train: in checkpoints
         self.eval_metrics = nn.ModuleDict()
         self._skipped_in_a_row = 0
         self.weights_version = 0  # optimizer steps applied; the engine is re-synced whenever it moves
@@ -152,6 +153,8 @@ class DSPOModule(pl.LightningModule):
         for key in [k for k in state if k.startswith("reference.")]:
             del state[key]
         checkpoint["dspo"] = {"model_dir": self.model_cfg.path, "weights_version": self.weights_version}
+        if self.run_record is not None:  # what dspo-eval / dspo-rollout adopt from this checkpoint (dspo.record)
+            checkpoint["dspo"]["run"] = self.run_record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.weights_version = int(checkpoint.get("dspo", {}).get("weights_version", checkpoint.get("global_step", 0)))

@@ -8,15 +8,15 @@ dspo-train ckpt_path=last                           # resume the newest run of t
 
 from __future__ import annotations
 
-import glob
 import importlib
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
+
+from dspo.resume import discard, move_into_run, resolve_ckpt_path
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("dspo.train")
@@ -25,41 +25,6 @@ log = logging.getLogger("dspo.train")
 def no_logger() -> bool:
     """`logger: none`: Lightning's `logger=False`."""
     return False
-
-
-def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path=last`: the newest loadable checkpoint (last.ckpt, or a step file when last.ckpt is truncated or
-    empty) among runs named `run_name`, skipping failure/non_finite.ckpt; the run then continues in its directory.
-    `ckpt_path=auto`: the same when such a checkpoint exists, else a fresh start (a requeued job's command line)."""
-    from dspo.checkpointing import ERROR_CHECKPOINTS, newest_loadable
-
-    if cfg.ckpt_path in (None, ""):
-        return None
-    if cfg.ckpt_path not in ("last", "auto"):
-        path = Path(cfg.ckpt_path).expanduser()
-        if not path.exists():  # a file, or a folder (distributed checkpoint of trainer=fsdp)
-            raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file or folder")
-        return str(path)
-    pattern = os.path.join(cfg.paths.outputs, "train", f"{cfg.run_name}_*", "checkpoints", "*.ckpt")
-    found = {*glob.glob(pattern), *glob.glob(str(Path(cfg.output_dir) / "checkpoints" / "*.ckpt"))}
-    candidates = [c for c in found if Path(c).name not in ERROR_CHECKPOINTS]
-    if not candidates and cfg.ckpt_path == "auto":
-        log.info("ckpt_path=auto: no checkpoint of run_name=%s yet; starting a new run", cfg.run_name)
-        return None
-    if not candidates:
-        raise FileNotFoundError(
-            f"ckpt_path=last: no checkpoint matches {pattern}. Check run_name (now '{cfg.run_name}') and "
-            "paths.outputs, or pass ckpt_path=/path/to/file.ckpt"
-        )
-    ckpt = newest_loadable(candidates)
-    if ckpt is None:
-        raise FileNotFoundError(
-            f"ckpt_path=last: none of the {len(candidates)} checkpoints matching {pattern} can be loaded (the "
-            "warnings above say why); pass ckpt_path=/path/to/file.ckpt or start a new run_name"
-        )
-    with open_dict(cfg):
-        cfg.output_dir = str(Path(ckpt).parents[1])
-    return ckpt
 
 
 def check_round_alignment(cfg: DictConfig) -> None:
@@ -103,8 +68,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate datamodule, module, callbacks, logger and trainer from the composed config."""
     import lightning.pytorch as pl
 
+    from dspo.record import run_record
+
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(cfg.module, _convert_="all")  # plain containers: checkpoints load weights_only
+    module.run_record = run_record(cfg)  # in every checkpoint and the exported model: what dspo-eval adopts
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
@@ -149,10 +117,13 @@ def _train(cfg: DictConfig) -> float | None:
     import lightning.pytorch as pl
 
     from dspo.callbacks.checkpoints import preempted
+    from dspo.console import one_lightning_console
+
+    one_lightning_console()
 
     import_modules(cfg.get("imports"))
     check_round_alignment(cfg)
-    ckpt_path = resolve_ckpt_path(cfg)
+    ckpt_path = _resume_in_place(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     prepare(cfg)
     objects = build(cfg)
@@ -172,6 +143,28 @@ def _train(cfg: DictConfig) -> float | None:
     return metrics.get(cfg.sweep_metric)
 
 
+def _hydra_dir() -> str | None:
+    """The folder Hydra made for this command (None outside `hydra.main`, e.g. in tests that compose configs)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return str(Path(HydraConfig.get().runtime.output_dir).resolve()) if HydraConfig.initialized() else None
+
+
+def _resume_in_place(cfg: DictConfig) -> str | None:
+    """`resolve_ckpt_path`; a resumed run continues in its own folder, so this command's fresh Hydra folder moves into
+    it (or is removed when the command is refused before doing anything): dspo.resume."""
+    fresh = _hydra_dir()
+    try:
+        ckpt_path = resolve_ckpt_path(cfg)
+    except (ValueError, FileNotFoundError):
+        if fresh is not None:
+            discard(Path(fresh))
+        raise
+    if fresh is not None and str(Path(str(cfg.output_dir)).resolve()) != fresh:
+        move_into_run(Path(fresh), Path(str(cfg.output_dir)))
+    return ckpt_path
+
+
 def _report(cfg: DictConfig, trainer, metrics: dict[str, float]) -> None:
     out = Path(cfg.output_dir)
     shown = {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/"))}
@@ -185,12 +178,21 @@ def _report(cfg: DictConfig, trainer, metrics: dict[str, float]) -> None:
     ]
     if trainer.is_global_zero:
         print("\n".join(["", "dspo-train finished", *lines]), flush=True)
-        (out / "metrics.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(metrics)))
+        path = out / "metrics.yaml"
+        # a resumed run merges into what the run logged before (the analysis reads its val/train keys)
+        previous = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+        path.write_text(OmegaConf.to_yaml(OmegaConf.create({**previous, **metrics})))
+
+
+EXAMPLE = "dspo-train algorithm=gspo trainer.max_steps=100   (docs/training.md)"
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    return train(cfg)
+    from dspo.errors import user_errors
+
+    with user_errors("dspo-train", EXAMPLE):
+        return train(cfg)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,26 @@ def test_sync_dist_advice_stays_for_user_metrics_and_goes_for_dspos_eval_metrics
     dspo_names = ["val/toy_1hop/subem", "val/nq/em", "test/hotpotqa/f1", "val/subem_mean", "test/subem_mean"]
     user_names = ["my_epoch_metric", "val/my_accuracy", "train/loss_epoch", "val/nq/my_score"]
     assert _sync_dist_advice(monkeypatch, dspo_names + user_names) == user_names
+
+
+def test_lightning_lines_print_once_under_a_root_handler() -> None:
+    """Issue 32 (7): Lightning's `lightning` logger has its own console handler and propagates to the root logger,
+    which Hydra gives one too: with a root handler, Lightning's goes (its lines print once, in Hydra's format)."""
+    import logging
+
+    import lightning  # noqa: F401  adds its console handler when imported
+
+    from dspo.console import one_lightning_console
+
+    root, lightning_logger = logging.getLogger(), logging.getLogger("lightning")
+    saved = (list(root.handlers), list(lightning_logger.handlers))
+    lightning_handler = logging.StreamHandler()
+    try:
+        root.handlers, lightning_logger.handlers = [], [lightning_handler]
+        one_lightning_console()  # no root handler (a library user's script): Lightning's own stays
+        assert lightning_logger.handlers == [lightning_handler]
+        root.addHandler(logging.StreamHandler())
+        one_lightning_console()
+        assert lightning_logger.handlers == [] and lightning_logger.propagate
+    finally:
+        root.handlers, lightning_logger.handlers = saved

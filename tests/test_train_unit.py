@@ -6,7 +6,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from dspo.checkpointing import atomic_torch_save
-from dspo.train import fit_or_checkpoint, resolve_ckpt_path
+from dspo.resume import resolve_ckpt_path
+from dspo.train import fit_or_checkpoint
 
 
 class FailingTrainer:

@@ -25,6 +25,7 @@ from dspo.data.buffer import Round, build_round
 from dspo.data.datamodule import RoundSlot
 from dspo.models import ModelConfig, load_tokenizer
 from dspo.models.weights import policy_weights
+from dspo.record import write_record
 from dspo.rollout.environment import RolloutEnvironment
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,9 @@ class EnvironmentCallback(pl.Callback):
         if trainer.is_global_zero:
             pl_module.policy.save_pretrained(str(target), state_dict=state)
             self.tokenizer.save_pretrained(str(target))
+            record = getattr(pl_module, "run_record", None)
+            if record is not None:  # the settings it was trained with, which dspo-eval and dspo-rollout adopt
+                write_record(target, record, step=trainer.global_step)
             log.info("exported the trained policy to %s", target)
         self.exported_to = str(target)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -133,10 +132,15 @@ def summary(output_dir: str, counts: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
+EXAMPLE = "dspo-prepare-data output_dir=data/mine 'train_sources=[./raw/nq]' 'test_sources=[./raw/nq]'"
+
+
 def main() -> None:
     """Hydra entry point `dspo-prepare-data` (config: conf/prepare_data.yaml)."""
     import hydra
     from omegaconf import DictConfig, OmegaConf
+
+    from dspo.errors import user_errors
 
     @hydra.main(
         config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="prepare_data", version_base="1.3"
@@ -144,10 +148,8 @@ def main() -> None:
     def _run(cfg: DictConfig) -> None:
         kwargs = OmegaConf.to_container(cfg, resolve=True)
         kwargs.pop("hub", None)  # only an interpolation helper for the source names
-        try:
+        with user_errors("dspo-prepare-data", EXAMPLE):
             counts = prepare(**kwargs)
-        except (QADataError, FileExistsError) as error:  # the message says what to fix; a traceback would bury it
-            sys.exit(f"dspo-prepare-data: {error}")
         print(summary(cfg.output_dir, counts))
 
     _run()

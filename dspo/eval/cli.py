@@ -111,6 +111,8 @@ def export_checkpoint(ckpt_path: str, output_dir: str, model_path: str | None = 
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dspo.record import RECORD_FILE, checkpoint_record, write_record
+
     checkpoint = read_checkpoint(ckpt_path)
     base = checkpoint_model_dir(checkpoint, model_path)
     weights = policy_state_dict(checkpoint)
@@ -130,7 +132,8 @@ def export_checkpoint(ckpt_path: str, output_dir: str, model_path: str | None = 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for item in Path(base).iterdir():  # config, generation config, tokenizer files: everything but weights
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and not item.name.endswith(".index.json"):
+        skip = item.name.endswith(_WEIGHT_SUFFIXES) or item.name.endswith(".index.json") or item.name == RECORD_FILE
+        if item.is_file() and not skip:
             shutil.copy2(item, out / item.name)
     split = split_torch_state_dict_into_shards(weights, max_shard_size="5GB")
     for filename, names in split.filename_to_tensors.items():
@@ -138,7 +141,11 @@ def export_checkpoint(ckpt_path: str, output_dir: str, model_path: str | None = 
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return str(out), int(checkpoint.get("global_step", 0) or 0)
+    step = int(checkpoint.get("global_step", 0) or 0)
+    record = checkpoint_record(checkpoint, ckpt_path)
+    if record is not None:  # the folder then describes itself, as a model exported at the end of training does
+        write_record(out, record, step)
+    return str(out), step
 
 
 # ------------------------------------------------------------------------------------------------ data + agent
@@ -168,12 +175,11 @@ def load_eval_sets(data_cfg: Any, limit: int | None) -> dict[str, list[QAItem]]:
     return sets
 
 
-def build_agent(rollout_cfg: Any, model_path: str, retriever_cfg: Any) -> Any:
-    """Engine (`rollout.engine`, a partial taking model_path) + retriever + agent config (`rollout.agent`) → agent.
+def build_agent(rollout_cfg: Any, model_path: str, retriever: Any) -> Any:
+    """Engine (`rollout.engine`, a partial taking model_path) + a built retriever + `rollout.agent` → agent.
 
-    The engine is built before the retriever on purpose: `bm25s` imports numba/llvmlite, and vLLM 0.32's kernel
-    registration, run when an engine starts, scans every loaded module and fails on an llvmlite object.
-    """
+    The retriever is built first by the caller (a missing index fails in a second, not after the engine's start);
+    the engine hides what breaks vLLM's kernel scan (`dspo.rollout.engine._hide_modules_breaking_vllm`)."""
     from hydra.utils import instantiate
 
     from dspo.rollout.agent import SearchAgent
@@ -181,12 +187,69 @@ def build_agent(rollout_cfg: Any, model_path: str, retriever_cfg: Any) -> Any:
     engine = instantiate(rollout_cfg.engine, model_path=model_path)
     if isinstance(engine, functools.partial):
         engine = engine()
-    retriever = instantiate(retriever_cfg)
     agent_config = instantiate(rollout_cfg.agent)
     return SearchAgent(engine, engine.tokenizer, retriever, agent_config)
 
 
 # ------------------------------------------------------------------------------------------------ run
+EXAMPLE = "dspo-eval model.path=outputs/train/RUN/model   (a dspo run's model: its agent, retriever and test sets)"
+
+
+def check_model_source(cfg: Any) -> None:
+    """`model.path` (a Hugging Face folder) or `ckpt_path` (a dspo checkpoint) given and present: checked first."""
+    model_path, ckpt = cfg.model.get("path"), cfg.get("ckpt_path")
+    if ckpt:
+        if not Path(str(ckpt)).expanduser().exists():
+            raise FileNotFoundError(f"ckpt_path={ckpt}: no such checkpoint file or folder")
+        return
+    if not model_path:
+        raise ValueError("pass model.path=DIR (a Hugging Face model folder) or ckpt_path=FILE.ckpt (a dspo checkpoint)")
+    if not (Path(str(model_path)).expanduser() / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={model_path}: no config.json there; point it at a Hugging Face model")
+
+
+def adopt_run_record(cfg: Any, overrides: list[str]) -> list[str]:
+    """Adopt the settings of the run that trained the model (`dspo.record`); the lines to show first."""
+    from dspo.record import RECORD_FILE, adopt, checkpoint_record, read_model_record
+
+    if cfg.get("ckpt_path"):
+        source = str(cfg.ckpt_path)
+        record = checkpoint_record(read_checkpoint(source), source)
+    else:
+        source = str(Path(str(cfg.model.path)).expanduser() / RECORD_FILE)
+        record = read_model_record(cfg.model.path)
+    if record is None:
+        return [
+            f"no dspo run record in {source}: a plain model, evaluated with conf/eval.yaml's agent (Qwen tool-call "
+            "tags, 4 turns, top-3) and the retriever and data given here"
+        ]
+    sections = ("rollout.agent", "rollout.engine", "retriever", "data", "eval.batch_size")
+    return adopt(cfg, record, overrides, source, sections)
+
+
+def check_settings(cfg: Any) -> None:
+    """Values the command cannot run without, named before anything slow starts."""
+    from omegaconf import OmegaConf
+
+    missing = sorted(  # missing_keys() of each section gives full keys; the `hydra` node resolves only under Hydra
+        inner for key, node in cfg.items() if key != "hydra" and OmegaConf.is_config(node)
+        for inner in OmegaConf.missing_keys(node)
+    )  # fmt: skip
+    if "retriever.index" in missing:
+        raise ValueError(
+            "retriever.index is not set: the BM25 index to search (built by dspo-index), e.g. "
+            "retriever.index=INDEX_DIR [retriever.corpus=CORPUS.jsonl to build it], or a running service with "
+            "retriever=remote retriever.url=http://127.0.0.1:8000/retrieve"
+        )
+    if missing:
+        raise ValueError(f"{', '.join(missing)} not set (??? in the config): pass {missing[0]}=...")
+
+
+def log_adoption(lines: list[str]) -> None:
+    for line in lines:
+        (log.warning if line.startswith("WARNING") else log.info)(line.removeprefix("WARNING: "))
+
+
 def resolve_model(cfg: Any, workdir: Path) -> tuple[str, int]:
     """(model folder for the engine, training step for logging) from `model.path` and/or `ckpt_path`."""
     model_path = cfg.model.get("path")
@@ -194,10 +257,7 @@ def resolve_model(cfg: Any, workdir: Path) -> tuple[str, int]:
         export_dir = cfg.eval.get("export_dir") or str(workdir / "exported_model")
         log.info("exporting the policy of %s to %s", cfg.ckpt_path, export_dir)
         return export_checkpoint(str(cfg.ckpt_path), export_dir, model_path)
-    if not model_path:
-        raise ValueError("dspo-eval: pass model.path=DIR (a Hugging Face model folder) or ckpt_path=FILE.ckpt")
-    if not (Path(model_path).expanduser() / "config.json").is_file():
-        raise ValueError(f"model.path={model_path}: no config.json there; point it at a Hugging Face model folder")
+    check_model_source(cfg)
     return str(Path(model_path).expanduser()), 0
 
 
@@ -214,14 +274,21 @@ def log_tensorboard(log_dir: Path, table: dict[str, dict[str, float]], step: int
         writer.close()
 
 
-def run(cfg: Any, output_dir: str) -> dict[str, dict[str, float]]:
-    """Evaluate and write the result files into `output_dir`; returns results.json's content."""
+def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """Evaluate and write the result files into `output_dir`; returns results.json's content. `overrides` are the
+    command line's (they win over the settings a trained model records)."""
+    from hydra.utils import instantiate
+
     out = Path(output_dir)
+    check_model_source(cfg)
+    log_adoption(adopt_run_record(cfg, list(overrides)))
+    check_settings(cfg)
     sets = load_eval_sets(cfg.data, cfg.eval.get("limit"))
     log.info("benchmarks: %s", {name: len(items) for name, items in sets.items()})
+    retriever = instantiate(cfg.retriever)
     with tempfile.TemporaryDirectory(prefix="dspo-eval-") as scratch:
         model_path, step = resolve_model(cfg, Path(scratch))
-        agent = build_agent(cfg.rollout, model_path, cfg.retriever)
+        agent = build_agent(cfg.rollout, model_path, retriever)
         predictions = []
         for name, items in sets.items():
             predictions += predict(
@@ -251,9 +318,12 @@ def main() -> None:
     @hydra.main(config_path=conf_dir, config_name="eval", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
         from dspo.console import quiet_console
+        from dspo.errors import user_errors
 
         quiet_console()
-        run(cfg, cfg.eval.get("output_dir") or HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
+        with user_errors("dspo-eval", EXAMPLE):
+            run(cfg, cfg.eval.get("output_dir") or hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
 
     _main()
 

@@ -49,7 +49,7 @@ def trajectory_records(groups: list[RolloutGroup]) -> list[dict]:
 
 def _require_path(value: str | None, key: str, kind: str) -> Path:
     if value is None or str(value) in ("", "???"):
-        raise ValueError(f"dspo-rollout: set `{key}=...` ({kind})")
+        raise ValueError(f"{key} is not set: pass {key}=... (a {kind})")
     path = Path(str(value)).expanduser()
     exists = path.is_dir() if kind == "directory" else path.exists()
     if not exists:
@@ -57,14 +57,40 @@ def _require_path(value: str | None, key: str, kind: str) -> Path:
     return path
 
 
-def run_rollout(cfg: DictConfig) -> Path:
-    """Load data, retriever, engine and agent from `cfg`; roll out; write `cfg.output`; return its path."""
+EXAMPLE = "dspo-rollout model.path=outputs/train/RUN/model n=8 output=rollouts.jsonl"
+
+
+def adopt_run_record(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The agent, engine and retriever of the run that trained `model.path` (`dspo.record`), unless overridden; with
+    no `data.path`, its first training file. Returns the lines to show first."""
+    from omegaconf import OmegaConf, open_dict
+
+    from dspo.record import RECORD_FILE, adopt, read_model_record
+
+    source = str(Path(str(cfg.model.path)).expanduser() / RECORD_FILE)
+    record = read_model_record(cfg.model.path)
+    if record is None:
+        return [f"no dspo run record in {source}: a plain model, rolled out with conf/rollout_cli.yaml's settings"]
+    lines = adopt(cfg, record, overrides, source, ("rollout.agent", "rollout.engine", "retriever"))
+    train_files = (record["config"].get("data") or {}).get("train_files") or []
+    if OmegaConf.is_missing(cfg.data, "path") and train_files:
+        with open_dict(cfg):
+            cfg.data.path = str(train_files[0])
+        lines.append(f"data.path={cfg.data.path} (the run's first training file; pass data.path=FILE for another)")
+    return lines
+
+
+def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Path:
+    """Load data, retriever, engine and agent from `cfg`; roll out; write `cfg.output`; return its path. `overrides`
+    (the command line's) win over the settings a dspo-trained model records."""
     from transformers import AutoTokenizer
 
     from dspo.data.qa import load_qa
     from dspo.rollout.agent import SearchAgent
 
     model_path = _require_path(cfg.model.path, "model.path", "directory")
+    for line in adopt_run_record(cfg, list(overrides)):
+        print(f"dspo-rollout: {line}", flush=True)
     data_path = _require_path(cfg.data.path, "data.path", "file or directory")
     if cfg.n < 1 or cfg.group_size < 1:
         raise ValueError(f"dspo-rollout: n={cfg.n} and group_size={cfg.group_size} must be >= 1")
@@ -89,10 +115,14 @@ def run_rollout(cfg: DictConfig) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="rollout_cli", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from dspo.console import quiet_console
+    from dspo.errors import user_errors
 
     quiet_console()
-    run_rollout(cfg)
+    with user_errors("dspo-rollout", EXAMPLE):
+        run_rollout(cfg, list(HydraConfig.get().overrides.task))
 
 
 if __name__ == "__main__":

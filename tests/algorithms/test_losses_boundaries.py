@@ -105,7 +105,7 @@ def test_sequence_weights_ignore_empty_sequences_and_name_the_objective():
         )
     assert str(err.value) == (
         "sequence_clip_loss is sequence-level: its weights must be constant over each sequence's trained tokens "
-        "(use a sequence-level algorithm.rollout_correction.mode: none, seq_tis or seq_mis)"
+        "(use a sequence-level algorithm.rollout_correction.mode: none, seq_tis, seq_mis or seq_rs)"
     )
 
 

@@ -126,8 +126,8 @@ def test_cli_names_a_missing_local_folder(sources: Path, tmp_path: Path) -> None
         text=True,
         timeout=120,
     )
-    assert result.returncode == 1
-    assert result.stderr.startswith(f"dspo-prepare-data: not found: {tmp_path / 'raw' / 'triviaqa'} ")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"dspo-prepare-data: error: not found: {tmp_path / 'raw' / 'triviaqa'} ")
     assert "Traceback" not in result.stderr and "Hub" not in result.stderr
     assert not (tmp_path / "out").exists()
 

@@ -1,0 +1,191 @@
+"""What a trained model carries: the settings of the run that trained it, and their adoption by the other commands.
+
+A policy is only as good as the environment it learned: the tag format of its tool calls, its turn and token limits,
+the top-k and the index it learned to search, the questions it was tested on. A model evaluated with other settings
+scores as if it had learned nothing (a Search-R1-tagged toy model under the default Qwen tool-call prompt never
+searches: 0.0). So `dspo-train` writes the resolved config sections of the run (not the YAML files: every
+interpolation resolved, paths absolute) into every checkpoint (`checkpoint["dspo"]["run"]`) and into the exported
+model folder (`dspo_run.json`), and `dspo-eval` / `dspo-rollout` adopt them when given such a model or checkpoint:
+
+- `rollout.agent`: the record's agent; a key given on the command line (`rollout.agent.topk=3`) is applied on top of
+  it, with a warning that names the key and the trained value;
+- `rollout.engine`: the record's engine, unless the command line picks another (`rollout=hf`); its keys likewise;
+- `retriever`, `data`: the record's, unless the command line touches the group or any key of it (then the command
+  line's whole section: `retriever=remote retriever.url=...`, `data=file data.path=...`);
+- the evaluation batch size, unless `eval.batch_size` is given (it only changes numerics, not which questions).
+
+A model folder without `dspo_run.json` (any Hugging Face model) keeps the command's own defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+RECORD_FILE = "dspo_run.json"
+FORMAT = 1
+# The agent settings a model is trained for: an override that changes one is warned about by name.
+AGENT_KEYS_THAT_MATTER = (
+    "tag_format",
+    "max_turns",
+    "topk",
+    "max_new_tokens_per_turn",
+    "max_obs_tokens",
+    "max_total_tokens",
+    "system_prompt",
+    "max_queries_per_call",
+    "max_answer_words",
+)
+
+log = logging.getLogger(__name__)
+
+
+def _section(cfg: DictConfig, key: str) -> Any:
+    node = OmegaConf.select(cfg, key, default=None)
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def run_record(cfg: DictConfig) -> dict[str, Any]:
+    """The record of a training run's composed config `cfg` (plain containers: checkpoints load weights_only)."""
+    from dspo import __version__
+
+    return {
+        "format": FORMAT,
+        "dspo_version": __version__,
+        "run_dir": str(Path(str(cfg.output_dir)).resolve()),
+        "run_name": str(cfg.get("run_name", "")),
+        "config": {
+            "rollout": _section(cfg, "rollout"),
+            "retriever": _section(cfg, "retriever"),
+            "data": _section(cfg, "data"),
+            "eval_batch_size": OmegaConf.select(cfg, "callbacks.environment.eval_batch_size", default=None),
+            "algorithm": {
+                "name": OmegaConf.select(cfg, "algorithm.name", default=None),
+                "temperature": OmegaConf.select(cfg, "algorithm.temperature", default=None),
+            },
+            "model": {"path": OmegaConf.select(cfg, "model.path", default=None)},
+        },
+    }
+
+
+def write_record(model_dir: str | Path, record: Mapping[str, Any], step: int | None = None) -> Path:
+    """`dspo_run.json` in an exported model folder (with the training step it was exported at)."""
+    path = Path(model_dir) / RECORD_FILE
+    path.write_text(json.dumps({**record, "step": step}, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def read_model_record(model_dir: str | Path) -> dict[str, Any] | None:
+    """The record of a model folder, None for a folder without one (a plain Hugging Face model)."""
+    path = Path(model_dir).expanduser() / RECORD_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable dspo run record ({error}); delete it to use the defaults") from error
+    return _checked(record, str(path))
+
+
+def checkpoint_record(checkpoint: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+    """The record a dspo checkpoint carries (`checkpoint["dspo"]["run"]`), None for older or foreign checkpoints."""
+    record = (checkpoint.get("dspo") or {}).get("run")
+    return None if record is None else _checked(record, where)
+
+
+def _checked(record: Any, where: str) -> dict[str, Any]:
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ValueError(f"{where}: not a dspo run record (no 'config' mapping)")
+    if int(record.get("format", 0)) > FORMAT:
+        raise ValueError(f"{where}: record format {record.get('format')} is newer than this dspo reads ({FORMAT})")
+    return record
+
+
+def override_keys(overrides: Iterable[str]) -> list[str]:
+    """The config keys or groups a Hydra command line sets (`retriever=remote` -> `retriever`, `+a.b=1` -> `a.b`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))]
+
+
+def _touched(keys: list[str], prefix: str) -> list[str]:
+    return [k for k in keys if k == prefix or k.startswith(prefix + ".")]
+
+
+def adopt(
+    cfg: DictConfig, record: Mapping[str, Any], overrides: Iterable[str], source: str, sections: Iterable[str]
+) -> list[str]:
+    """Put the record's `sections` (of rollout.agent, rollout.engine, retriever, data, eval.batch_size) into `cfg`,
+    following the rules of the module docstring; returns the lines to show the user (what came from where, and a
+    warning per agent setting that differs from the trained one)."""
+    keys, trained = override_keys(overrides), record["config"]
+    adopted, kept, warnings = [], [], []
+    with open_dict(cfg):
+        for section in sections:
+            if section == "rollout.agent":
+                warnings += _adopt_agent(cfg, trained.get("rollout", {}).get("agent"), keys, adopted)
+            elif section == "rollout.engine":
+                _adopt_engine(cfg, trained.get("rollout", {}).get("engine"), keys, adopted, kept)
+            elif section == "eval.batch_size":
+                if trained.get("eval_batch_size") and not _touched(keys, "eval.batch_size"):
+                    cfg.eval.batch_size = int(trained["eval_batch_size"])
+                    adopted.append(f"eval.batch_size={cfg.eval.batch_size}")
+            elif trained.get(section) is not None:
+                if _touched(keys, section):
+                    kept.append(f"{section} (set on the command line: {', '.join(_touched(keys, section))})")
+                else:
+                    OmegaConf.update(cfg, section, trained[section], merge=False)
+                    adopted.append(f"{section} ({describe(section, trained[section])})")
+    lines = [f"adopted from {source} (the run that trained this model): " + "; ".join(adopted)] if adopted else []
+    if kept:
+        lines.append("kept from the command line: " + "; ".join(kept))
+    return lines + warnings
+
+
+def _adopt_agent(cfg: DictConfig, agent: Mapping | None, keys: list[str], adopted: list[str]) -> list[str]:
+    if agent is None:
+        return []
+    user = {k.split(".", 2)[2]: OmegaConf.select(cfg, k) for k in _touched(keys, "rollout.agent") if k.count(".") >= 2}
+    OmegaConf.update(cfg, "rollout.agent", {**agent, **user}, merge=False)
+    adopted.append(f"rollout.agent ({describe('rollout.agent', agent)})")
+    return [
+        f"WARNING: rollout.agent.{key}={value!r} differs from the trained agent's {key}={agent.get(key)!r}: the model "
+        "was trained with the latter; expect lower scores"
+        for key, value in user.items()
+        if key in AGENT_KEYS_THAT_MATTER and value != agent.get(key)
+    ]
+
+
+def _adopt_engine(cfg: DictConfig, engine: Mapping | None, keys: list[str], adopted: list[str], kept: list[str]):
+    if engine is None:
+        return
+    if "rollout" in keys:  # `rollout=hf`: another engine on purpose
+        kept.append("rollout.engine (rollout= on the command line)")
+        return
+    user = {k.split(".", 2)[2]: OmegaConf.select(cfg, k) for k in _touched(keys, "rollout.engine") if k.count(".") >= 2}
+    OmegaConf.update(cfg, "rollout.engine", {**engine, **user}, merge=False)
+    adopted.append(f"rollout.engine ({describe('rollout.engine', engine)})")
+
+
+def describe(section: str, value: Mapping[str, Any]) -> str:
+    """A short description of an adopted section for the first lines of a command."""
+    target = str(value.get("_target_", "")).rsplit(".", 1)[-1]
+    if section == "rollout.agent":
+        shown = [f"{k}={value[k]}" for k in AGENT_KEYS_THAT_MATTER[:6] if k in value]
+        return ", ".join(shown)
+    if section == "rollout.engine":
+        return ", ".join(x for x in (target, f"dtype={value.get('dtype')}" if "dtype" in value else "") if x)
+    if section == "retriever":
+        where = value.get("index") or value.get("url") or ""
+        return f"{target} {where}".strip()
+    if section == "data":
+        files = value.get("test_files") or value.get("files") or {}
+        limit = value.get("test_limit", value.get("limit"))
+        names = ", ".join(files) if isinstance(files, Mapping) else str(value.get("path", ""))
+        return f"test sets {names}" + (f", first {limit} each" if limit else "")
+    return target
