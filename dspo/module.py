@@ -18,7 +18,6 @@ the engine's logprobs (`algorithm.rollout_correction`, logged as `mismatch/*` ev
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -28,14 +27,16 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from dspo.algorithms.blocks import loss_normalizer, token_normalizer
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.algorithms.losses import kl_penalty, loss_normalizer, policy_loss, token_normalizer
+from dspo.algorithms.losses import kl_penalty
 from dspo.algorithms.rollout_correction import correction_weights
 from dspo.data.datamodule import RoundSlot
 from dspo.metrics import answer_metrics
 from dspo.models import ModelConfig, load_causal_lm
 from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs
+from dspo.step_stats import MiniBatchStats
 from dspo.types import PolicyBatch, QAItem
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,16 @@ def build_adamw(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim
         if cfg.fused:
             raise ValueError(f"optimizer.fused=true, but torch has no fused AdamW for these parameters: {err}") from err
         return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+@dataclass(frozen=True)
+class MiniBatchCounts:
+    """What a mini-batch's micro-batches are normalized by (`DSPOModule._counts`)."""
+
+    sequences: int  # this rank's sequences
+    tokens: float  # this rank's trained tokens
+    objective: float  # the objective's normalizer (its unit, counted over the mini-batch; tokens over all ranks)
+    kl: float  # the KL's token normalizer (all ranks)
 
 
 class NonFiniteTraining(RuntimeError):
@@ -183,72 +194,83 @@ class DSPOModule(pl.LightningModule):
                 batch.ref_logprobs = self._logprobs(self.reference, moved)[0].cpu()
 
     def training_step(self, slot: RoundSlot, batch_idx: int) -> torch.Tensor | None:
+        """Algorithm 1, steps 3-4, for one mini-batch of a round (one optimizer step): the round's old and reference
+        logprobs on its first step; each micro-batch's loss and backward; the update; the step's logs. A non-finite
+        loss or gradient on any rank skips the step on every rank."""
         if not slot.micro_batches:
             raise RuntimeError("empty train batch: EnvironmentCallback must be in trainer.callbacks (conf/callbacks)")
         if slot.round_batches:
             self._prepare_round(slot.round_batches)
         micro = [b.to(self.device) for b in slot.micro_batches]
+        counts = self._counts(micro)
+        stats = MiniBatchStats(counts.sequences, counts.tokens, len(micro))
+        for batch in micro:
+            loss, parts = self.micro_batch_loss(batch, counts)
+            if not self._all_ranks_finite(loss):  # agreed before the backward's collectives (DDP, FSDP)
+                return self._skip_step(slot)
+            self.manual_backward(loss)
+            stats.add(batch, loss, **parts)
+        grad_norm = self._clip_gradients()
+        if not self._all_ranks_finite(grad_norm):
+            return self._skip_step(slot)
+        lr = self._optimizer_step()
+        self._log_step(stats, micro, grad_norm, lr, slot)
+        return torch.tensor(stats.totals["train/loss"])
+
+    def _counts(self, micro: list[PolicyBatch]) -> MiniBatchCounts:
+        """The mini-batch's sequences (this rank) and trained tokens (this rank, and all ranks), and the normalizers
+        that make gradient accumulation give the mini-batch's loss (token means over all ranks' tokens)."""
         num_sequences = sum(len(b) for b in micro)
         num_tokens = float(sum(b.loss_mask.sum() for b in micro))
         world = self.trainer.world_size if self._trainer is not None else 1
         global_tokens = self._all_ranks_sum(num_tokens) if world > 1 else num_tokens
-        normalizer = loss_normalizer(self.algo.loss, num_sequences, global_tokens, world)
+        objective = loss_normalizer(self.algo.objective.normalizer_unit, num_sequences, global_tokens, world)
+        return MiniBatchCounts(num_sequences, num_tokens, objective, token_normalizer(global_tokens, world))
+
+    def micro_batch_loss(self, batch: PolicyBatch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss of one micro-batch (the objective, + β·KL), normalized by the whole mini-batch, and its parts:
+        `kl`, `entropy` [N, L], the objective's statistics and the engine/trainer mismatch statistics."""
+        logprobs, entropy = self._logprobs(self.policy, batch, with_entropy=True)
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        correction, mismatch = self._rollout_correction(old, batch)
+        loss, objective = self.algo.objective.loss(
+            logprobs,
+            old,
+            batch.advantages,
+            batch.loss_mask,
+            self.algo.objective_settings,
+            normalizer=counts.objective,
+            weights=correction,
+        )
+        kl = torch.zeros((), device=self.device)
+        if self.reference is not None:
+            ref = batch.ref_logprobs
+            if ref is None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.reference, batch)[0]
+            kl = kl_penalty(logprobs, ref, batch.loss_mask, self.algo.kl_estimator, counts.kl)
+            loss = loss + self.algo.kl_coef * kl
+        return loss, {"kl": kl, "entropy": entropy, "objective": objective, "mismatch": mismatch}
+
+    def _optimizer_step(self) -> float:
+        """AdamW step, then the scheduler's; returns the learning rate the step applied."""
         optimizer = self.optimizers()
-        totals: dict[str, float] = {}
-        finite = True
-        for batch in micro:
-            logprobs, entropy = self._logprobs(self.policy, batch, with_entropy=True)
-            old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-            correction, mismatch = self._rollout_correction(old, batch)
-            loss, stats = policy_loss(
-                self.algo.loss,
-                logprobs,
-                old,
-                batch.advantages,
-                batch.loss_mask,
-                self.algo.clip_low,
-                self.algo.clip_high,
-                normalizer=normalizer,
-                weights=correction,
-            )
-            kl = torch.zeros((), device=self.device)
-            if self.reference is not None:
-                ref = batch.ref_logprobs
-                if ref is None:
-                    with torch.no_grad():
-                        ref = self._logprobs(self.reference, batch)[0]
-                kl = kl_penalty(
-                    logprobs, ref, batch.loss_mask, self.algo.kl_estimator, token_normalizer(global_tokens, world)
-                )
-                loss = loss + self.algo.kl_coef * kl
-            if not self._all_ranks_finite(loss):  # agreed before the backward's collectives (DDP, FSDP)
-                finite = False
-                break
-            self.manual_backward(loss)
-            weight = len(batch) / num_sequences
-            for name, value in {  # loss and KL are already normalized by the mini-batch: their sum is its value
-                "train/loss": loss.detach(),
-                "loss/kl": kl.detach(),
-                "train/entropy": (entropy * batch.loss_mask).sum() / num_tokens if num_tokens else entropy.sum() * 0,
-                **{f"loss/{k}": v * weight for k, v in stats.items() if k != "ratio_min" and k != "ratio_max"},
-            }.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
-            share = float(batch.loss_mask.sum()) / num_tokens if num_tokens else 1.0 / len(micro)
-            for key, value in mismatch.items():  # token means: mini-batch value = token-weighted sum of micro-batches
-                totals[f"mismatch/{key}"] = totals.get(f"mismatch/{key}", 0.0) + float(value) * share
-            totals["loss/ratio_min"] = min(totals.get("loss/ratio_min", math.inf), float(stats["ratio_min"]))
-            totals["loss/ratio_max"] = max(totals.get("loss/ratio_max", -math.inf), float(stats["ratio_max"]))
-        grad_norm = self._clip_gradients() if finite else torch.tensor(float("nan"))
-        if not finite or not self._all_ranks_finite(grad_norm):
-            optimizer.zero_grad(set_to_none=True)
-            self._on_non_finite(slot)
-            return None
         self._skipped_in_a_row = 0
         lr = float(optimizer.param_groups[0]["lr"])  # the rate this step applies (the scheduler then moves it)
         optimizer.step()
         self.weights_version += 1
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
+        return lr
+
+    def _skip_step(self, slot: RoundSlot) -> None:
+        self.optimizers().zero_grad(set_to_none=True)
+        self._on_non_finite(slot)
+
+    def _log_step(
+        self, stats: MiniBatchStats, micro: list[PolicyBatch], grad_norm: torch.Tensor, lr: float, slot: RoundSlot
+    ) -> None:
+        totals = stats.totals
         rewards = torch.cat([b.rewards for b in micro])
         lengths = torch.cat([b.loss_mask.sum(1) for b in micro])
         totals.update(
@@ -260,9 +282,8 @@ class DSPOModule(pl.LightningModule):
                 "train/policy_version": float(slot.round_index),
             }
         )
-        self.log_dict(totals, on_step=True, prog_bar=False, batch_size=num_sequences)
-        self.log("reward", totals["train/reward_mean"], prog_bar=True, logger=False, batch_size=num_sequences)
-        return torch.tensor(totals["train/loss"])
+        self.log_dict(totals, on_step=True, prog_bar=False, batch_size=stats.num_sequences)
+        self.log("reward", totals["train/reward_mean"], prog_bar=True, logger=False, batch_size=stats.num_sequences)
 
     def _all_ranks_finite(self, value: torch.Tensor) -> bool:
         """Whether `value` is finite on every rank. One rank deciding alone would skip a backward (or an optimizer

@@ -149,7 +149,8 @@ def toy_run(
     from dspo.models import ModelConfig
     from dspo.module import DSPOModule, OptimizerConfig
 
-    defaults = {"group_size": 4, "batch_groups": 2, "micro_batch_size": 3, "clip_low": 0.2, "clip_high": 0.3}
+    defaults = {"group_size": 4, "batch_groups": 2, "micro_batch_size": 3}
+    defaults["loss_kwargs"] = {"clip_low": 0.2, "clip_high": 0.3}
     if "rollout_correction" in AlgorithmConfig.__dataclass_fields__:  # scripted engine logprobs are not the model's
         defaults["rollout_correction"] = {"mode": "none"}
     algo = AlgorithmConfig(**{**defaults, **algorithm})

@@ -42,7 +42,8 @@ def check_round_alignment(cfg: DictConfig) -> None:
 
 def import_modules(names: Any) -> None:
     """`imports=[my_pkg.my_objective, ...]`: import user modules before anything is instantiated, so that what they
-    register (`@register_loss`, ...) exists when the config is built and validated (docs/extending.md)."""
+    register (`@register_objective`, `@register_advantage`, ...) exists when the config is built and validated
+    (docs/extending.md)."""
     if names is None:
         return
     if isinstance(names, str) or not all(isinstance(name, str) for name in names):

@@ -72,6 +72,8 @@ def test_algorithm_configs_instantiate(algorithm, tmp_path):
     algo = instantiate(cfg.algorithm)
     assert algo.name == algorithm and algo.loss in ("dspo", "gspo", "dapo", "grpo")
     assert (algo.filter == "mixed_outcome") == (algorithm in ("dspo", "dapo"))
+    # the clip range the YAML states is the one the objective's record declares (issue 30: one place)
+    assert algo.objective_settings == algo.objective.settings and algo.advantage == "group_norm"
 
 
 def test_config_mistakes_fail_at_start_with_the_key(tmp_path):

@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from dspo.algorithms import losses
+from dspo.algorithms import ADVANTAGES, OBJECTIVES, policy_loss
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.algorithms.rollout_correction import RolloutCorrectionConfig
 from dspo.train import CONF_DIR, build, import_modules
@@ -32,10 +32,10 @@ def examples(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.chdir(REPO)
     yield
-    for name in ("my_objective", "my_world", "my_retriever"):
+    for name in ("my_objective", "my_advantage", "my_world", "my_retriever"):
         sys.modules.pop(name, None)
-    for table in (losses.POLICY_LOSSES, losses.NORMALIZER_UNITS, losses.RATIO_LEVELS):
-        table.pop("seq_cispo", None)
+    OBJECTIVES.pop("seq_cispo")
+    ADVANTAGES.pop("batch_std")
 
 
 def compose_train(*overrides: str):
@@ -44,56 +44,90 @@ def compose_train(*overrides: str):
 
 
 # ------------------------------------------------------------------------------------ 1. a new objective
-def test_objective_registers_from_imports_with_hand_computed_value_and_gradient(examples):
+def test_objective_registers_from_imports_with_its_setting_hand_computed_value_and_gradient(examples):
     with pytest.raises(ValueError, match="algorithm.loss: unknown objective 'seq_cispo'"):
         AlgorithmConfig(loss="seq_cispo")  # not known before the import
     import_modules(["my_objective"])  # what dspo-train does with imports=[my_objective]
-    assert losses.NORMALIZER_UNITS["seq_cispo"] == losses.RATIO_LEVELS["seq_cispo"] == "sequence"
-    AlgorithmConfig(loss="seq_cispo")  # accepted, with the default seq_tis correction
+    record = OBJECTIVES["seq_cispo"]
+    assert record.normalizer_unit == record.ratio_level == "sequence"
+    assert (record.settings.clip_low, record.settings.clip_high, record.settings.lower_bound) == (0.2, 0.28, False)
+    config = AlgorithmConfig(loss="seq_cispo", loss_kwargs={"clip_high": 0.2, "lower_bound": True})  # its own setting
+    assert config.objective_settings.lower_bound and config.objective_settings.clip_high == 0.2
+    with pytest.raises(ValueError, match="algorithm.loss_kwargs.cap: objective 'seq_cispo' has no setting 'cap'"):
+        AlgorithmConfig(loss="seq_cispo", loss_kwargs={"cap": 1.2})
     with pytest.raises(ValueError, match="rollout_correction.mode"):
         AlgorithmConfig(loss="seq_cispo", rollout_correction=RolloutCorrectionConfig("token_tis"))
-    assert losses.loss_normalizer("seq_cispo", 4, 100.0) == 4.0
 
-    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
-    new = torch.tensor([[-0.8, -1.6, -math.inf], [-0.6, math.nan, -math.inf]], dtype=torch.float64)
-    logprobs = new.clone().requires_grad_(True)
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    advantages = torch.tensor([1.0, -0.5], dtype=torch.float64)
-    loss, stats = losses.policy_loss("seq_cispo", logprobs, old, advantages, mask, 0.2, 0.2)
-    # s_1 = exp(0.3) = 1.3499 -> weight 1.2 (clipped); s_2 = exp(-0.1) = 0.904837 (inside [0.8, 1.2])
-    # J = ((1.2 * 1 * -1.2) + (0.904837 * -0.5 * -0.6)) / 2; loss = -J
-    s2 = math.exp(-0.1)
-    assert loss.item() == pytest.approx(-(1.2 * -1.2 + s2 * 0.3) / 2, abs=1e-12)
-    loss.backward()
-    expected = torch.tensor([[-0.3, -0.3, 0.0], [0.25 * s2, 0.0, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(logprobs.grad, expected, atol=1e-12, rtol=0)
-    assert stats["clipfrac"].item() == 0.5 and stats["ratio_max"].item() == pytest.approx(math.exp(0.3))
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0], [-1.0, 0.0, 0.0]], dtype=torch.float64)
+    rows = [[-0.8, -1.6, -math.inf], [-0.6, math.nan, -math.inf], [-1.5, -math.inf, 0.0]]
+    new = torch.tensor(rows, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0]])
+    advantages = torch.tensor([1.0, -0.5, 1.0], dtype=torch.float64)
+    # s_1 = exp(0.3) = 1.3499 -> weight 1.2 (capped); s_2 = exp(-0.1) = 0.904837 (inside); s_3 = exp(-0.5) = 0.606531:
+    # 0.8 with the lower bound, itself without. J = Σ_i w_i Â_i mean_t logπ / 3; loss = -J; d loss / d logπ_it =
+    # -w_i Â_i / (3 |y_i|) on trained tokens
+    s2, s3 = math.exp(-0.1), math.exp(-0.5)
+    for lower_bound, w3, clipfrac in ((True, 0.8, 2 / 3), (False, s3, 1 / 3)):
+        logprobs = new.clone().requires_grad_(True)
+        settings = {"clip_low": 0.2, "clip_high": 0.2, "lower_bound": lower_bound}
+        loss, stats = policy_loss("seq_cispo", logprobs, old, advantages, mask, settings)
+        assert loss.item() == pytest.approx(-(1.2 * -1.2 + s2 * 0.3 + w3 * -1.5) / 3, abs=1e-12)
+        loss.backward()
+        expected = torch.tensor([[-0.2, -0.2, 0.0], [s2 / 6, 0.0, 0.0], [-w3 / 3, 0.0, 0.0]], dtype=torch.float64)
+        torch.testing.assert_close(logprobs.grad, expected, atol=1e-12, rtol=0)
+        assert stats["clipfrac"].item() == pytest.approx(clipfrac)
+        assert stats["ratio_max"].item() == pytest.approx(math.exp(0.3))
 
 
 def test_import_and_registration_errors_name_what_to_fix():
+    from dspo.algorithms import register_objective
+
     with pytest.raises(ImportError, match="imports: module 'no_such_module_xyz' failed to import"):
         import_modules(["no_such_module_xyz"])
     with pytest.raises(TypeError, match=r"imports must be a list of module names, e\.g\. imports=\[my_objective\]"):
         import_modules("my_objective")
     with pytest.raises(ValueError, match="ratio_level must be one of"):
-        losses.register_loss("mine", ratio_level="chunk")
-    assert "mine" not in losses.POLICY_LOSSES
+        register_objective("mine", ratio_level="chunk")
+    assert "mine" not in OBJECTIVES
+
+
+# ------------------------------------------------------------------------ 2. a new advantage estimator
+def test_advantage_estimator_registers_from_imports_with_a_hand_computed_value(examples):
+    with pytest.raises(ValueError, match="algorithm.advantage: unknown advantage estimator 'batch_std'"):
+        AlgorithmConfig(advantage="batch_std")
+    import_modules(["my_advantage"])
+    config = AlgorithmConfig(advantage="batch_std")
+    # centred rewards [[.75, -.25, -.25, -.25], [.5, .5, -.5, -.5]]: mean 0, Σ squares 1.75, unbiased var 1.75/7 = 0.25
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    expected = torch.tensor([[1.5, -0.5, -0.5, -0.5], [1.0, 1.0, -1.0, -1.0]])
+    torch.testing.assert_close(config.advantages(rewards), expected, atol=1e-5, rtol=0)
+    eps = AlgorithmConfig(advantage="batch_std", advantage_kwargs={"eps": 0.5})  # its setting: 0.5 / (0.5 + 0.5)
+    assert eps.advantages(rewards)[1, 0].item() == pytest.approx(0.5)
 
 
 @pytest.mark.slow
-def test_cli_run_with_the_example_objective_logs_train_loss(run_train, short_default, tmp_path, monkeypatch):
+def test_cli_run_with_the_example_objective_and_estimator(run_train, short_default, tmp_path, monkeypatch):
+    """Both examples through `dspo-train 'imports=[...]'`, as the guide runs them (an unknown name would be refused
+    when the config is built, so a finished run used both)."""
     from dspo.analysis import find_runs, load_scalars
 
     monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
-    args = ["imports=[my_objective]", "algorithm.loss=seq_cispo", "trainer.max_steps=2", "run_test=false"]
+    args = [
+        "imports=[my_objective,my_advantage]",
+        "algorithm.loss=seq_cispo",
+        "+algorithm.loss_kwargs.lower_bound=true",
+    ]
+    args += ["algorithm.advantage=batch_std", "trainer.max_steps=2", "run_test=false"]
     run_train([*short_default, "data.val_limit=4", *args], tmp_path / "outputs")
     (run,) = find_runs(tmp_path / "outputs" / "train")
+    config = (run.dir / ".hydra" / "config.yaml").read_text()
+    assert "loss: seq_cispo" in config and "advantage: batch_std" in config and "lower_bound: true" in config
     scalars = load_scalars(run.dir)
     loss = scalars[scalars.tag == "train/loss"]
     assert len(loss) == 2 and loss.value.map(math.isfinite).all()
 
 
-# ---------------------------------------------------------------------- 2. a new QA dataset and a new world
+# ---------------------------------------------------------------------- 3. a new QA dataset and a new world
 def test_new_dataset_composes_into_the_datamodule(examples):
     cfg = compose_train("data.train_files=[docs/examples/data/my_qa.jsonl]")  # the guide's override
     datamodule = instantiate(cfg.data)
@@ -137,7 +171,7 @@ def test_new_world_prepares_and_builds_with_its_retriever(examples, tmp_path):
     assert two_hop.metadata == {"hops": 2}
 
 
-# --------------------------------------------------------------------------------- 3. a new retriever
+# --------------------------------------------------------------------------------- 4. a new retriever
 def _corpus(path: Path) -> Path:
     rows = [
         {"id": "0", "title": "Harbor log", "text": "Ana Lys. Ana Lys. Ana Lys waved at the harbor."},

@@ -86,7 +86,15 @@ def _step(lm, runner, data, rows: slice, world: int, objective: str, max_norm: f
     normalizer = loss_normalizer(objective, ids.shape[0], float(tokens), world)
     logprobs, _ = runner(ids, attention, mask, temperature=0.9, chunk_size=5)
     old = logprobs.detach() + data["old_shift"][rows]
-    loss, _ = policy_loss(objective, logprobs, old, data["advantages"][rows], mask, 0.2, 0.28, normalizer=normalizer)
+    loss, _ = policy_loss(
+        objective,
+        logprobs,
+        old,
+        data["advantages"][rows],
+        mask,
+        {"clip_low": 0.2, "clip_high": 0.28},
+        normalizer=normalizer,
+    )
     loss.backward()
     norm = clip_grad_norm([p for p in lm.parameters() if p.grad is not None], max_norm)
     optimizer.step()

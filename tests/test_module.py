@@ -358,7 +358,8 @@ def test_rollout_correction_weights_the_gradient_and_mismatch_is_the_minibatch_t
     """seq_tis with engine logprobs that differ from the trainer's (the scripted engine reports -1 per token): the
     step's gradient is that of the objective weighted by the correction of each sequence, over all 3 micro-batches,
     and `mismatch/logprob_diff_abs_mean` is the token mean over the whole mini-batch (not a mean of micro-batches)."""
-    from dspo.algorithms.losses import loss_normalizer, policy_loss
+    from dspo.algorithms.blocks import loss_normalizer
+    from dspo.algorithms.losses import policy_loss
     from dspo.algorithms.rollout_correction import correction_weights
 
     correction = {"mode": "seq_tis", "low": 0.5, "high": 1.5}
@@ -367,7 +368,7 @@ def test_rollout_correction_weights_the_gradient_and_mismatch_is_the_minibatch_t
     assert len(slot.micro_batches) == 3
     rows = [(b, i) for b in slot.micro_batches for i in range(len(b))]
     num_tokens = float(sum(b.loss_mask.sum() for b in slot.micro_batches))
-    normalizer = loss_normalizer("dspo", len(rows), num_tokens)
+    normalizer = loss_normalizer("sequence", len(rows), num_tokens)  # dspo averages over sequences
     total, diff, weights_seen = torch.zeros(()), 0.0, set()
     for batch, i in rows:
         n = int(batch.attention_mask[i].sum())
@@ -379,8 +380,8 @@ def test_rollout_correction_weights_the_gradient_and_mismatch_is_the_minibatch_t
         logprobs = _logprobs(model, ids, mask)
         weights, _ = correction_weights(logprobs.detach(), engine, mask, "seq_tis", 0.5, 1.5)
         weights_seen.add(round(float(weights[mask.bool()].max()), 6))
-        loss, _ = policy_loss("dspo", logprobs, logprobs.detach(), batch.advantages[i : i + 1], mask, 0.2, 0.3,
-                              normalizer=normalizer, weights=weights)  # fmt: skip
+        advantage, clip = batch.advantages[i : i + 1], {"clip_low": 0.2, "clip_high": 0.3}
+        loss, _ = policy_loss("dspo", logprobs, logprobs.detach(), advantage, mask, clip, normalizer, weights=weights)
         total = total + loss
         diff += float(((logprobs.detach() - engine).abs() * mask).sum())
     assert len(weights_seen) > 1  # the weights differ between sequences: a dropped weighting would show

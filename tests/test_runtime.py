@@ -37,11 +37,12 @@ def clean_env(monkeypatch):
 
 
 @pytest.fixture
-def torch_threads():
-    """Tests that set torch's thread count give the session its own back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+def torch_threads(monkeypatch):
+    """What `configure_threads` passes to torch.set_num_threads (recorded, not applied: an in-process vLLM engine
+    started earlier in the session pins torch's threads and turns later calls into no-ops)."""
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    return calls
 
 
 # ---------------------------------------------------------------------------------------------------- threads
@@ -99,9 +100,9 @@ def test_configure_threads_shares_the_usable_cores_between_local_ranks(monkeypat
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the node has more cores than this process may use
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert configure_threads() == 1 and torch.get_num_threads() == 1
+    assert configure_threads() == 1 and torch_threads == [1]
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert configure_threads() == 2 and torch.get_num_threads() == 2  # one process: the whole mask
+    assert configure_threads() == 2 and torch_threads == [1, 2]  # one process: the whole mask
     assert configure_threads(local_processes=2) == 1  # what the config says (trainer.devices of a CPU run)
 
 

@@ -1,12 +1,69 @@
-"""Group-normalized advantages (DSPO Eq. 10, as in GRPO).
+"""Advantage estimators, one record each in `ADVANTAGES` (`algorithm.advantage`), each a function of a round's
+outcome rewards [N, G] (one row per prompt group) returning advantages [N, G].
 
-Uses the unbiased standard deviation (`torch.std`, Bessel-corrected), the choice of verl and TRL, so that numbers
-compare with published runs. Groups must have G >= 2 (a single sample has no spread).
+- `group_norm` (default; DSPO Eq. 10, as GRPO): Â_i = (R_i − mean R) / (std R + δ), with the unbiased standard
+  deviation (`torch.std`, Bessel-corrected), the choice of verl and TRL, so that numbers compare with published runs.
+  Setting: `eps` = δ (`algorithm.advantage_kwargs.eps`, default 1e-6).
+- `group_mean` (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training"): Â_i = R_i − mean R, without the
+  division by the std, which up-weights groups whose rewards barely differ (questions almost always or almost never
+  solved).
+- `rloo` (REINFORCE leave-one-out, Kool et al. 2019; Ahmadian et al. 2024): Â_i = R_i − mean_{j≠i} R_j, a baseline
+  that does not include the sample itself (unbiased); equal to G/(G−1) · (R_i − mean R).
+
+Every estimator needs G >= 2 and finite rewards, and gives exactly 0 to a group whose rewards are all equal.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+from dspo.algorithms.registry import Registry, make_settings
+
+EstimatorFn = Callable[[torch.Tensor, Any], torch.Tensor]  # (rewards [N, G], settings) -> advantages [N, G]
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    name: str
+    estimate: EstimatorFn
+    settings: Any = None  # default settings (a dataclass instance), None when the estimator has none
+
+    def make_settings(self, kwargs: Mapping[str, Any] | None = None) -> Any:
+        """The defaults with `algorithm.advantage_kwargs` applied (validated)."""
+        return make_settings(self.settings, kwargs, "algorithm.advantage_kwargs", f"advantage estimator '{self.name}'")
+
+    def __call__(self, rewards: torch.Tensor, settings: Any = None) -> torch.Tensor:
+        return self.estimate(rewards, self.settings if settings is None else settings)
+
+
+ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.advantage")
+
+
+def register_advantage(name: str, settings: Any = None) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: make `fn(rewards [N, G], settings) -> [N, G]` selectable as `algorithm.advantage: <name>`."""
+
+    def wrap(fn: EstimatorFn) -> EstimatorFn:
+        ADVANTAGES.add(name, AdvantageEstimator(name, fn, settings))
+        return fn
+
+    return wrap
+
+
+def checked_rewards(rewards: torch.Tensor, where: str) -> torch.Tensor:
+    """[N, G] rewards with G >= 2, finite, in at least float32 (float64 stays float64)."""
+    if rewards.dim() != 2:
+        raise ValueError(f"{where} expects rewards of shape [N, G], got {tuple(rewards.shape)}")
+    if rewards.shape[1] < 2:
+        raise ValueError(f"group size G must be >= 2 for group-relative advantages, got G={rewards.shape[1]}")
+    if rewards.dtype != torch.float64:
+        rewards = rewards.float()  # bool/int/bf16 rewards: the std of a few 0/1 values needs float32 at least
+    if not torch.isfinite(rewards).all():
+        raise ValueError(f"{where}: rewards contain NaN/inf: {rewards.tolist()}; check the reward function")
+    return rewards
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -19,14 +76,39 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     Returns:
         [N, G] advantages (float32 unless `rewards` is float64).
     """
-    if rewards.dim() != 2:
-        raise ValueError(f"group_advantages expects rewards of shape [N, G], got {tuple(rewards.shape)}")
-    if rewards.shape[1] < 2:
-        raise ValueError(f"group size G must be >= 2 for group-normalized advantages, got G={rewards.shape[1]}")
-    if rewards.dtype != torch.float64:
-        rewards = rewards.float()  # bool/int/bf16 rewards: the std of a few 0/1 values needs float32 at least
-    if not torch.isfinite(rewards).all():
-        raise ValueError(f"group_advantages: rewards contain NaN/inf: {rewards.tolist()}; check the reward function")
+    rewards = checked_rewards(rewards, "group_advantages")
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True)  # unbiased
     return (rewards - mean) / (std + eps)
+
+
+@dataclass(frozen=True)
+class GroupNorm:
+    """`group_norm`'s setting: δ of Eq. 10."""
+
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not self.eps >= 0:
+            raise ValueError(f"algorithm.advantage_kwargs.eps: must be >= 0 (δ of Eq. 10), got {self.eps}")
+
+
+@register_advantage("group_norm", settings=GroupNorm())
+def group_norm(rewards: torch.Tensor, settings: GroupNorm) -> torch.Tensor:
+    """DSPO Eq. 10 (see the module docstring)."""
+    return group_advantages(rewards, eps=settings.eps)
+
+
+@register_advantage("group_mean")
+def group_mean(rewards: torch.Tensor, settings: None = None) -> torch.Tensor:
+    """Dr. GRPO: Â_i = R_i − mean R (no division by the standard deviation)."""
+    rewards = checked_rewards(rewards, "group_mean")
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+@register_advantage("rloo")
+def rloo(rewards: torch.Tensor, settings: None = None) -> torch.Tensor:
+    """REINFORCE leave-one-out: Â_i = R_i − (Σ_j R_j − R_i) / (G − 1)."""
+    rewards = checked_rewards(rewards, "rloo")
+    others = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)
+    return rewards - others

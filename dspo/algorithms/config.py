@@ -1,30 +1,39 @@
-"""`AlgorithmConfig`: one object for the four variants (dspo, gspo, dapo, grpo); the YAML files in conf/algorithm/
-are constructor calls of this class. Validated on construction, errors name the config key."""
+"""`AlgorithmConfig`: one object for every algorithm variant (dspo, gspo, dapo, grpo, and registered ones); the YAML
+files in conf/algorithm/ are constructor calls of this class. Validated on construction, errors name the config key.
+
+The choices by name resolve to registry records here, once: `objective` (`algorithm.loss`, with its settings from
+`algorithm.loss_kwargs`), `group_filter` (`algorithm.filter`) and `estimator` (`algorithm.advantage`, with
+`algorithm.advantage_kwargs`). Each record's own settings are validated by it (`dspo.algorithms.registry`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from dspo.algorithms.filters import get_filter
-from dspo.algorithms.losses import KL_ESTIMATORS, POLICY_LOSSES, RATIO_LEVELS
+import torch
+
+from dspo.algorithms.advantages import ADVANTAGES, AdvantageEstimator
+from dspo.algorithms.filters import FILTERS, GroupFilter
+from dspo.algorithms.losses import KL_ESTIMATORS, OBJECTIVES, Objective
 from dspo.algorithms.rollout_correction import RolloutCorrectionConfig, correction_level
 
 
 @dataclass
 class AlgorithmConfig:
     name: str = "dspo"
-    loss: str = "dspo"  # key of dspo.algorithms.losses.POLICY_LOSSES
-    filter: str = "mixed_outcome"  # key of dspo.algorithms.filters.FILTERS
+    loss: str = "dspo"  # an objective of dspo.algorithms.losses.OBJECTIVES
+    loss_kwargs: dict = field(default_factory=dict)  # the objective's own settings (dspo: clip_low, clip_high)
+    filter: str = "mixed_outcome"  # a filter of dspo.algorithms.filters.FILTERS
+    advantage: str = "group_norm"  # an estimator of dspo.algorithms.advantages.ADVANTAGES
+    advantage_kwargs: dict = field(default_factory=dict)  # the estimator's own settings (group_norm: eps)
     group_size: int = 5  # G
     batch_groups: int = 8  # B: groups per round (all processes together)
     num_minibatches: int = 1  # M: optimizer steps per round (1 = fully on-policy)
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation inside a mini-batch)
-    clip_low: float = 3e-4  # ε_low
-    clip_high: float = 4e-4  # ε_high
     kl_coef: float = 0.0  # β; 0 = no reference model is loaded
     kl_estimator: str = "k3"
-    adv_eps: float = 1e-6  # δ in Eq. 10
     temperature: float = 1.0  # rollout sampling temperature; trainer logprobs use the same
     max_sampling_rounds: int = 20  # engine calls per round before giving up
     initial_keep_rate: float = 0.5  # prior of the filter's keep-rate for over-sampling
@@ -37,12 +46,18 @@ class AlgorithmConfig:
         def fail(key: str, why: str) -> None:
             raise ValueError(f"algorithm.{key}: {why}")
 
-        if self.loss not in POLICY_LOSSES:
-            fail("loss", f"unknown objective '{self.loss}'; choose one of {sorted(POLICY_LOSSES)}")
-        try:
-            get_filter(self.filter)
-        except KeyError as err:
-            fail("filter", str(err))
+        if self.loss not in OBJECTIVES:
+            fail("loss", f"unknown objective '{self.loss}'; choose one of {sorted(OBJECTIVES)}")
+        if self.filter not in FILTERS:
+            fail("filter", f"unknown group filter '{self.filter}'; choose one of {sorted(FILTERS)}")
+        if self.advantage not in ADVANTAGES:
+            fail("advantage", f"unknown advantage estimator '{self.advantage}'; choose one of {sorted(ADVANTAGES)}")
+        for key in ("loss_kwargs", "advantage_kwargs"):
+            if not isinstance(getattr(self, key), Mapping):
+                fail(key, f"must be a mapping of settings, got {type(getattr(self, key)).__name__}")
+            setattr(self, key, dict(getattr(self, key)))  # plain: hyper-parameters and checkpoints load weights_only
+        self._objective_settings = self.objective.make_settings(self.loss_kwargs)
+        self._advantage_settings = self.estimator.make_settings(self.advantage_kwargs)
         if self.group_size < 2:
             fail("group_size", f"must be >= 2 for group-normalized advantages, got {self.group_size}")
         if self.batch_groups < 1:
@@ -54,10 +69,6 @@ class AlgorithmConfig:
             )
         if self.micro_batch_size < 1:
             fail("micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            fail(
-                "clip_low/clip_high", f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}/{self.clip_high}"
-            )
         if self.kl_coef < 0:
             fail("kl_coef", f"must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -65,6 +76,28 @@ class AlgorithmConfig:
         if self.temperature <= 0:
             fail("temperature", f"must be > 0, got {self.temperature}")
         self._check_rollout_correction()
+
+    # ----------------------------------------------------------------------------------------- the resolved records
+    @property
+    def objective(self) -> Objective:
+        return OBJECTIVES[self.loss]
+
+    @property
+    def objective_settings(self) -> Any:
+        """The objective's settings: its defaults with `loss_kwargs` applied."""
+        return self._objective_settings
+
+    @property
+    def group_filter(self) -> GroupFilter:
+        return FILTERS[self.filter]
+
+    @property
+    def estimator(self) -> AdvantageEstimator:
+        return ADVANTAGES[self.advantage]
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The configured estimator on outcome rewards [N, G] -> advantages [N, G]."""
+        return self.estimator(rewards, self._advantage_settings)
 
     def _check_rollout_correction(self) -> None:
         correction = self.rollout_correction
@@ -78,9 +111,7 @@ class AlgorithmConfig:
                 f"algorithm.rollout_correction must be a mapping with mode/low/high, got {type(correction).__name__}"
             )
         level = correction_level(correction.mode)
-        if self.loss not in RATIO_LEVELS:
-            raise ValueError(f"algorithm.loss: '{self.loss}' has no entry in RATIO_LEVELS (dspo/algorithms/losses.py)")
-        if RATIO_LEVELS[self.loss] == "sequence" and level != "sequence":
+        if self.objective.ratio_level == "sequence" and level != "sequence":
             raise ValueError(
                 f"algorithm.rollout_correction.mode: '{correction.mode}' weighs single tokens, but objective "
                 f"'{self.loss}' has one ratio per sequence; use none, seq_tis, seq_mis or seq_rs"

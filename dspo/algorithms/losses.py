@@ -1,172 +1,135 @@
-"""Policy objectives (one pure function each, selected by name) and KL estimators.
+"""Policy objectives, one record each in one registry (`OBJECTIVES`, selected by `algorithm.loss`), and KL estimators.
 
-Conventions shared by every objective:
+An objective is a pure function with its record (`Objective`): what the trainer's `normalizer` counts for it
+(sequences or tokens), the level of its importance ratio (which rollout-correction modes it takes), and its own
+settings, a dataclass whose defaults are the objective's (`algorithm.loss_kwargs` overrides them; an unknown key is
+refused naming it). The four built-ins declare their clip ranges there: dspo and gspo 3e-4 / 4e-4 (GSPO's recipe:
+sequence ratios live near 1), dapo 0.2 / 0.28 (clip-higher), grpo 0.2 / 0.2. Their bodies are built from the public
+blocks of `dspo.algorithms.blocks`; grpo and dapo share one token-level body and differ only in the mean they take.
+
+Conventions shared by every objective `fn(logprobs, old_logprobs, advantages, mask, settings, normalizer, weights)`:
     logprobs, old_logprobs, mask: [N, L]; mask is 1 on model-generated tokens only (retrieved text is never trained).
     advantages: [N], one per sequence (Eq. 10).
+    settings: the objective's settings dataclass (e.g. `ClipRange`).
+    normalizer: the number of units (sequences or tokens) in the whole *mini-batch*: summing the micro-batch losses of
+        a gradient-accumulation step then gives exactly the mini-batch loss (None: the micro-batch's own count). Values
+        below 1 count as 1 (an all-empty mini-batch gives loss 0, not 0/0); negative or non-finite ones are an error.
     weights: optional [N, L] rollout-correction weights (`dspo.algorithms.rollout_correction`), detached; they multiply
         the surrogate term, normalizers unchanged. Token-level objectives weigh each token; sequence-level ones take the
         sequence's value on its mask-1 tokens, which must be one value per sequence. None = no correction.
-    Each objective returns the *loss* (negated objective) and a dict of detached statistics.
-
-Departure from a single-batch formula, on purpose: every objective accepts `normalizer`, the number of units (sequences
-or tokens) in the whole *mini-batch*. With micro-batches and gradient accumulation, summing the micro-batch losses then
-gives exactly the mini-batch loss; without it (None) the micro-batch's own count is used. It is a count: values below 1
-are treated as 1 (an all-empty mini-batch then gives loss 0, not 0/0), negative or non-finite values are an error.
+    Each returns the *loss* (negated objective) and a dict of detached statistics (`blocks.ratio_stats`).
 
 Empty masks: a sequence with no trained token has log-ratio 0 (s_i = 1) and contributes 0 to the loss and its gradient;
-no NaN anywhere. Off-mask positions are *selected away* (torch.where), not multiplied by 0, so padding that holds -inf
-or NaN logprobs cannot leak into the loss (0 * -inf = NaN).
-
-Precision: ratios and sums are computed in at least float32 (bf16 logprobs are upcast; float64 stays float64), because a
-bf16 sum of hundreds of log-ratios loses the small differences that the clip acts on.
+no NaN anywhere.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-Stats = dict[str, torch.Tensor]
+from dspo.algorithms.blocks import (
+    LEVELS,
+    Stats,
+    check_shapes,
+    clipped_surrogate,
+    denominator,
+    loss_normalizer,
+    masked_log_ratio,
+    ratio_stats,
+    sequence_ratio,
+    sequence_weights,
+    token_normalizer,
+    token_weights,
+)
+from dspo.algorithms.registry import Registry, make_settings
+
+__all__ = ["OBJECTIVES", "ClipRange", "Objective", "kl_penalty", "loss_normalizer", "policy_loss", "token_normalizer"]
 
 
-class PolicyObjective(Protocol):
+class ObjectiveFn(Protocol):
     def __call__(
         self,
         logprobs: torch.Tensor,
         old_logprobs: torch.Tensor,
         advantages: torch.Tensor,
         mask: torch.Tensor,
-        clip_low: float,
-        clip_high: float,
+        settings: Any,
         normalizer: float | None = None,
         weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Stats]: ...
 
 
-POLICY_LOSSES: dict[str, PolicyObjective] = {}
-# Unit over which each objective averages: the `normalizer` of a mini-batch counts these.
-NORMALIZER_UNITS: dict[str, str] = {}
-# Level of each objective's importance ratio: a sequence-level one accepts only sequence-level correction weights.
-RATIO_LEVELS: dict[str, str] = {}
-LEVELS = ("sequence", "token")
+@dataclass(frozen=True)
+class ClipRange:
+    """ε_low / ε_high of a clipped ratio: the trust region is [1 − clip_low, 1 + clip_high] (Eq. 11)."""
+
+    clip_low: float
+    clip_high: float
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(
+                "algorithm.loss_kwargs.clip_low/clip_high: need 0 <= clip_low < 1 and clip_high >= 0, got "
+                f"{self.clip_low}/{self.clip_high}"
+            )
 
 
-def register_loss(
-    *names: str, normalizer_unit: str = "sequence", ratio_level: str = "sequence"
-) -> Callable[[PolicyObjective], PolicyObjective]:
-    """Register an objective under `names` (values of algorithm.loss) and fill the tables the trainer reads.
+@dataclass(frozen=True)
+class Objective:
+    """An objective and what the trainer needs to know about it (see the module docstring)."""
 
-    normalizer_unit: what the mini-batch `normalizer` counts, "sequence" (mean over sequences) or "token" (mean over
-        all trained tokens); the trainer computes it with `loss_normalizer`.
-    ratio_level: "sequence" or "token", the rollout-correction modes the objective accepts (`AlgorithmConfig`).
-        The default "sequence" admits only none/seq_tis/seq_mis/seq_rs, whose weights are valid for every objective;
-        declare "token" when the objective weighs tokens one by one and can take token_tis/token_mis/token_rs.
+    name: str
+    loss: ObjectiveFn
+    normalizer_unit: str = "sequence"  # what the mini-batch `normalizer` counts: "sequence" or "token"
+    ratio_level: str = "sequence"  # "sequence": one ratio per sequence, only sequence-level correction weights
+    settings: Any = None  # the default settings (a dataclass instance), None for an objective without settings
+
+    def __post_init__(self) -> None:
+        for key in ("normalizer_unit", "ratio_level"):
+            if getattr(self, key) not in LEVELS:
+                raise ValueError(f"objective '{self.name}': {key} must be one of {LEVELS}, got {getattr(self, key)!r}")
+
+    def make_settings(self, kwargs: Mapping[str, Any] | None = None) -> Any:
+        """The defaults with `algorithm.loss_kwargs` applied (validated)."""
+        return make_settings(self.settings, kwargs, "algorithm.loss_kwargs", f"objective '{self.name}'")
+
+
+OBJECTIVES: Registry[Objective] = Registry("objective", "algorithm.loss")
+
+
+def register_objective(
+    *names: str, normalizer_unit: str = "sequence", ratio_level: str = "sequence", settings: Any = None
+) -> Callable[[ObjectiveFn], ObjectiveFn]:
+    """Register `fn` under `names` (values of algorithm.loss), with its record's facts and default `settings`.
+
+    normalizer_unit: "sequence" (the loss is a mean over sequences) or "token" (a mean over all trained tokens).
+    ratio_level: "sequence" (default) admits only none/seq_tis/seq_mis/seq_rs, whose weights are valid for every
+        objective; declare "token" when the objective weighs tokens one by one and can take token_* modes too.
+    settings: a dataclass instance holding the objective's own settings with their defaults (None: no settings).
     """
-    for key, value in (("normalizer_unit", normalizer_unit), ("ratio_level", ratio_level)):
-        if value not in LEVELS:
-            raise ValueError(f"register_loss{names}: {key} must be one of {LEVELS}, got {value!r}")
 
-    def wrap(fn: PolicyObjective) -> PolicyObjective:
+    for key, value in (("normalizer_unit", normalizer_unit), ("ratio_level", ratio_level)):
+        if value not in LEVELS:  # refused where the decorator is written, before any function is registered
+            raise ValueError(f"register_objective{names}: {key} must be one of {LEVELS}, got {value!r}")
+
+    def wrap(fn: ObjectiveFn) -> ObjectiveFn:
         for name in names:
-            POLICY_LOSSES[name] = fn
-            NORMALIZER_UNITS[name] = normalizer_unit
-            RATIO_LEVELS[name] = ratio_level
+            OBJECTIVES.add(name, Objective(name, fn, normalizer_unit, ratio_level, settings))
         return fn
 
     return wrap
 
 
-def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A) and a bool tensor: where the clipped branch is active."""
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    surrogate = torch.minimum(unclipped, clipped)
-    is_clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
-    return surrogate, is_clipped
-
-
-def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor, is_clipped: torch.Tensor) -> Stats:
-    ratio, valid = ratio.detach(), valid.bool()
-    if valid.any():
-        r = ratio[valid]
-        return {
-            "clipfrac": is_clipped[valid].to(ratio.dtype).mean(),
-            "ratio_mean": r.mean(),
-            "ratio_min": r.min(),
-            "ratio_max": r.max(),
-        }
-    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)  # no trained token: report the neutral ratio
-    return {"clipfrac": torch.zeros_like(one), "ratio_mean": one, "ratio_min": one, "ratio_max": one}
-
-
-def _check_shapes(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor):
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
-            f"{tuple(mask.shape)} must share one [N, L] shape"
-        )
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [N]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
-
-
-def _masked_log_ratio(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logπθ − logπold) on mask-1 tokens and exactly 0 elsewhere, in >= float32; plus the float mask. [N, L] each."""
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    keep = mask.bool()
-    delta = torch.where(keep, logprobs.to(dtype) - old_logprobs.to(dtype), 0.0)
-    return delta, keep.to(dtype)
-
-
-def _token_weights(weights: torch.Tensor | None, mask: torch.Tensor, where: str) -> torch.Tensor | None:
-    """Detached correction weights on mask-1 tokens, exactly 0 elsewhere, in the mask's dtype. [N, L] or None."""
-    if weights is None:
-        return None
-    if weights.shape != mask.shape:
-        raise ValueError(f"{where}: weights {tuple(weights.shape)} must have the mask's shape {tuple(mask.shape)}")
-    return torch.where(mask.bool(), weights.detach().to(mask.dtype), 0.0)
-
-
-def _sequence_weights(weights: torch.Tensor | None, mask: torch.Tensor, where: str) -> torch.Tensor | None:
-    """One weight per sequence [N]: the value on its mask-1 tokens (0 for an empty sequence)."""
-    token = _token_weights(weights, mask, where)
-    if token is None:
-        return None
-    keep = mask.bool()
-    high = torch.where(keep, token, -math.inf).amax(dim=1)
-    low = torch.where(keep, token, math.inf).amin(dim=1)
-    if bool(((high != low) & keep.any(dim=1)).any()):
-        raise ValueError(
-            f"{where} is sequence-level: its weights must be constant over each sequence's trained tokens "
-            "(use a sequence-level algorithm.rollout_correction.mode: none, seq_tis, seq_mis or seq_rs)"
-        )
-    return torch.where(keep.any(dim=1), high, 0.0)
-
-
-def _denominator(normalizer: float | None, own_count: float, where: str) -> float:
-    """The loss divisor: `normalizer` (mini-batch count) if given, else this micro-batch's count; at least 1."""
-    if normalizer is None:
-        return max(float(own_count), 1.0)
-    value = float(normalizer)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: normalizer must be a finite count >= 0 (units in the mini-batch), got {normalizer}")
-    return max(value, 1.0)
-
-
-@register_loss("dspo", "gspo", normalizer_unit="sequence", ratio_level="sequence")
 def sequence_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    settings: ClipRange,
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
@@ -179,68 +142,75 @@ def sequence_clip_loss(
     Unclipped gradient (Eq. 8): ∇J = (1/N) Σ_i s_i Â_i · (1/|y_i|) Σ_t ∇logπθ(y_it).
     With rollout-correction weights, the term of sequence i is multiplied by its weight w_i.
     """
-    _check_shapes(logprobs, old_logprobs, advantages, mask)
-    delta, mask_f = _masked_log_ratio(logprobs, old_logprobs, mask)  # [N, L]
-    lengths = mask_f.sum(dim=1)  # [N]
-    seq_ratio = torch.exp(delta.sum(dim=1) / lengths.clamp(min=1.0))  # [N]
-    surrogate, is_clipped = _clipped_surrogate(seq_ratio, advantages, clip_low, clip_high)  # [N]
+    check_shapes(logprobs, old_logprobs, advantages, mask)
+    delta, mask_f = masked_log_ratio(logprobs, old_logprobs, mask)  # [N, L]
+    seq_ratio, lengths = sequence_ratio(delta, mask_f)  # [N], [N]
+    surrogate, is_clipped = clipped_surrogate(seq_ratio, advantages, settings.clip_low, settings.clip_high)  # [N]
     surrogate = surrogate * (lengths > 0)  # an empty sequence would otherwise add the constant Â_i to the loss
-    seq_weights = _sequence_weights(weights, mask_f, "sequence_clip_loss")  # [N] or None
+    seq_weights = sequence_weights(weights, mask_f, "sequence_clip_loss")  # [N] or None
     if seq_weights is not None:
         surrogate = surrogate * seq_weights
-    loss = -surrogate.sum() / _denominator(normalizer, surrogate.shape[0], "sequence_clip_loss")
-    return loss, _ratio_stats(seq_ratio, lengths > 0, is_clipped)
+    loss = -surrogate.sum() / denominator(normalizer, surrogate.shape[0], "sequence_clip_loss")
+    return loss, ratio_stats(seq_ratio, lengths > 0, is_clipped)
 
 
-@register_loss("grpo", normalizer_unit="sequence", ratio_level="token")
+register_objective("dspo", "gspo", settings=ClipRange(clip_low=3e-4, clip_high=4e-4))(sequence_clip_loss)
+
+
+def _token_clip_surrogate(
+    logprobs, old_logprobs, advantages, mask, settings: ClipRange, weights, where: str
+) -> tuple[torch.Tensor, torch.Tensor, Stats]:
+    """The token-level body shared by grpo and dapo: per-token ratio r_it = πθ/πold, clipped per token, times the
+    token's correction weight. Returns the surrogate [N, L], the float mask [N, L] and the ratio statistics."""
+    check_shapes(logprobs, old_logprobs, advantages, mask)
+    delta, mask_f = masked_log_ratio(logprobs, old_logprobs, mask)
+    ratio = torch.exp(delta)  # [N, L]; exactly 1 off-mask, then weighted 0 by the mask
+    surrogate, is_clipped = clipped_surrogate(ratio, advantages[:, None], settings.clip_low, settings.clip_high)
+    weights = token_weights(weights, mask_f, where)
+    if weights is not None:
+        surrogate = surrogate * weights
+    return surrogate, mask_f, ratio_stats(ratio, mask_f > 0, is_clipped)
+
+
 def token_clip_sequence_mean_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    settings: ClipRange,
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """GRPO (DSPO Eq. 2 without the KL term): per-token ratio r_it = πθ/πold, clipped per token,
-    averaged over each sequence's masked tokens, then over sequences.
-    """
-    _check_shapes(logprobs, old_logprobs, advantages, mask)
-    delta, mask_f = _masked_log_ratio(logprobs, old_logprobs, mask)
-    ratio = torch.exp(delta)  # [N, L]; exactly 1 off-mask, then weighted 0 below
-    surrogate, is_clipped = _clipped_surrogate(ratio, advantages[:, None], clip_low, clip_high)
-    token_weights = _token_weights(weights, mask_f, "token_clip_sequence_mean_loss")
-    if token_weights is not None:
-        surrogate = surrogate * token_weights
+    """GRPO (DSPO Eq. 2 without the KL term): the token-level clipped surrogate averaged over each sequence's masked
+    tokens, then over sequences."""
+    where = "token_clip_sequence_mean_loss"
+    surrogate, mask_f, stats = _token_clip_surrogate(logprobs, old_logprobs, advantages, mask, settings, weights, where)
     per_sequence = (surrogate * mask_f).sum(dim=1) / mask_f.sum(dim=1).clamp(min=1.0)  # [N]
-    loss = -per_sequence.sum() / _denominator(normalizer, per_sequence.shape[0], "token_clip_sequence_mean_loss")
-    return loss, _ratio_stats(ratio, mask_f > 0, is_clipped)
+    return -per_sequence.sum() / denominator(normalizer, per_sequence.shape[0], where), stats
 
 
-@register_loss("dapo", normalizer_unit="token", ratio_level="token")
 def token_clip_token_mean_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    settings: ClipRange,
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """DAPO: per-token ratio with clip-higher (ε_high > ε_low), token-mean over all masked tokens of the batch
-    (DAPO's token-level policy-gradient loss), so long responses weigh by their length.
-    """
-    _check_shapes(logprobs, old_logprobs, advantages, mask)
-    delta, mask_f = _masked_log_ratio(logprobs, old_logprobs, mask)
-    ratio = torch.exp(delta)  # [N, L]
-    surrogate, is_clipped = _clipped_surrogate(ratio, advantages[:, None], clip_low, clip_high)
-    token_weights = _token_weights(weights, mask_f, "token_clip_token_mean_loss")
-    if token_weights is not None:
-        surrogate = surrogate * token_weights
-    loss = -(surrogate * mask_f).sum() / _denominator(normalizer, mask_f.sum(), "token_clip_token_mean_loss")
-    return loss, _ratio_stats(ratio, mask_f > 0, is_clipped)
+    """DAPO: the token-level clipped surrogate (clip-higher: ε_high > ε_low), token-mean over all masked tokens of the
+    batch (DAPO's token-level policy-gradient loss), so long responses weigh by their length."""
+    where = "token_clip_token_mean_loss"
+    surrogate, mask_f, stats = _token_clip_surrogate(logprobs, old_logprobs, advantages, mask, settings, weights, where)
+    return -(surrogate * mask_f).sum() / denominator(normalizer, mask_f.sum(), where), stats
+
+
+register_objective("grpo", ratio_level="token", settings=ClipRange(clip_low=0.2, clip_high=0.2))(
+    token_clip_sequence_mean_loss
+)
+register_objective(
+    "dapo", normalizer_unit="token", ratio_level="token", settings=ClipRange(clip_low=0.2, clip_high=0.28)
+)(token_clip_token_mean_loss)
 
 
 def policy_loss(
@@ -249,19 +219,16 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    settings: Any = None,
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """Dispatch to the objective registered under `name` (dspo, gspo, grpo, dapo)."""
-    try:
-        objective = POLICY_LOSSES[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown policy loss '{name}' (config key algorithm.loss); choose one of {sorted(POLICY_LOSSES)}"
-        ) from None
-    return objective(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, normalizer, weights=weights)
+    """The objective registered under `name`; `settings` is its settings object, a mapping of overrides of its
+    defaults (as `algorithm.loss_kwargs`), or None for the defaults."""
+    objective = OBJECTIVES[name]
+    if settings is None or isinstance(settings, Mapping):
+        settings = objective.make_settings(settings)
+    return objective.loss(logprobs, old_logprobs, advantages, mask, settings, normalizer, weights=weights)
 
 
 def _k1(delta: torch.Tensor) -> torch.Tensor:
@@ -277,7 +244,9 @@ def _k3(delta: torch.Tensor) -> torch.Tensor:
 
 
 # Per-token estimators of KL(πθ‖πref) as functions of delta = logπref − logπθ (Schulman, "Approximating KL divergence").
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("KL estimator", "algorithm.kl_estimator")
+for _name, _estimator in (("k1", _k1), ("k2", _k2), ("k3", _k3)):
+    KL_ESTIMATORS.add(_name, _estimator)
 
 
 def kl_penalty(
@@ -300,37 +269,7 @@ def kl_penalty(
             f"kl_penalty: logprobs {tuple(logprobs.shape)}, ref_logprobs {tuple(ref_logprobs.shape)} and "
             f"mask {tuple(mask.shape)} must share one shape"
         )
-    try:
-        estimator = KL_ESTIMATORS[kind]
-    except KeyError:
-        raise KeyError(
-            f"unknown KL estimator '{kind}' (config key algorithm.kl_estimator); choose one of {sorted(KL_ESTIMATORS)}"
-        ) from None
-    delta, mask_f = _masked_log_ratio(ref_logprobs, logprobs, mask)  # logπref − logπθ, 0 off-mask
+    estimator = KL_ESTIMATORS[kind]
+    delta, mask_f = masked_log_ratio(ref_logprobs, logprobs, mask)  # logπref − logπθ, 0 off-mask
     per_token = estimator(delta) * mask_f
-    return per_token.sum() / _denominator(normalizer, mask_f.sum(), "kl_penalty")
-
-
-def token_normalizer(num_tokens: float, world_size: int = 1) -> float:
-    """Token-mean normalizer of one process's loss under data parallelism (DDP/FSDP average gradients over W ranks).
-
-    `num_tokens` is the masked-token count T of the whole mini-batch over all W ranks (all-reduced). Rank r's loss
-    −Σ_r/(T/W), averaged over ranks by DDP, gives −Σ_r Σ_r/T: the global token mean, not a mean of per-rank means.
-    """
-    if world_size < 1:
-        raise ValueError(f"token_normalizer: world_size must be >= 1, got {world_size}")
-    return float(max(num_tokens, 1)) / world_size
-
-
-def loss_normalizer(name: str, num_sequences: int, num_tokens: float, world_size: int = 1) -> float:
-    """The `normalizer` argument for objective `name` over a mini-batch with these counts (at least 1).
-
-    `num_sequences` is this process's count (equal on every rank, so DDP's average is already the global mean);
-    `num_tokens` is the count over all `world_size` processes (see `token_normalizer`).
-    """
-    unit = NORMALIZER_UNITS.get(name)
-    if unit is None:
-        raise KeyError(
-            f"objective {name!r} has no normalizer unit; register it with register_loss(..., normalizer_unit=...)"
-        )
-    return float(max(num_sequences, 1)) if unit == "sequence" else token_normalizer(num_tokens, world_size)
+    return per_token.sum() / denominator(normalizer, mask_f.sum(), "kl_penalty")

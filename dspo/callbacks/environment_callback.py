@@ -139,7 +139,7 @@ class EnvironmentCallback(pl.Callback):
             pad_token_id=self.tokenizer.pad_token_id,
             policy_version=version,
             seed=self.seed + version,
-            adv_eps=self.algo.adv_eps,
+            advantages=self.algo.advantages,
         )
         self.cursor = 0
         stats["rollout/padding_share"] = self.current.stats["padding_share"]

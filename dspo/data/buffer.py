@@ -9,11 +9,12 @@ padding small without packing (packing would need varlen attention masks that vL
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from dspo.algorithms import group_advantages
+from dspo.algorithms.advantages import group_advantages
 from dspo.types import PolicyBatch, RolloutGroup, Trajectory
 
 
@@ -74,14 +75,15 @@ def build_round(
     pad_token_id: int,
     policy_version: int,
     seed: int,
-    adv_eps: float = 1e-6,
+    advantages: Callable[[torch.Tensor], torch.Tensor] = group_advantages,
 ) -> Round:
-    """Advantages per group (Eq. 10), shuffle, split into `num_minibatches`, bucket into micro-batches."""
+    """Advantages per group (`advantages`: rewards [B, G] -> [B, G], the configured estimator; Eq. 10 by default),
+    shuffle, split into `num_minibatches`, bucket into micro-batches."""
     if not groups:
         raise ValueError("build_round got no rollout groups")
     rewards = torch.stack([g.rewards for g in groups])  # [B, G]
-    advantages = group_advantages(rewards, eps=adv_eps)  # [B, G]
-    flat = [(t, float(a)) for g, adv in zip(groups, advantages) for t, a in zip(g.trajectories, adv.tolist())]
+    group_adv = advantages(rewards)  # [B, G]
+    flat = [(t, float(a)) for g, adv in zip(groups, group_adv) for t, a in zip(g.trajectories, adv.tolist())]
     if len(flat) % num_minibatches:
         raise ValueError(
             f"{len(flat)} trajectories cannot be split into algorithm.num_minibatches={num_minibatches} equal "

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 
-from dspo.algorithms import get_filter
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.types import RolloutGroup
@@ -32,10 +31,9 @@ class RolloutEnvironment:
         spec.check_world_size(world_size)
         self.agent, self.spec = agent, spec
         self.local_target = spec.batch_groups // world_size
-        self.keep_filter = get_filter(spec.filter)
-        self.keep_rate_estimate = (
-            1.0 if getattr(self.keep_filter, "keeps_everything", False) else spec.initial_keep_rate
-        )
+        self.keep_filter = spec.group_filter
+        # a filter that never drops a group needs no over-sampling: exactly the prompts that are missing
+        self.keep_rate_estimate = 1.0 if self.keep_filter.keeps_everything else spec.initial_keep_rate
 
     def sample_round(
         self,

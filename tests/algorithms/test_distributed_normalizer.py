@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dspo.algorithms.losses import loss_normalizer, policy_loss, token_normalizer
+from dspo.algorithms.blocks import loss_normalizer, token_normalizer
+from dspo.algorithms.losses import policy_loss
 
 D, L = 3, 6
 
@@ -31,7 +32,15 @@ def _gradient(rows: slice, normalizer: float | None) -> torch.Tensor:
     features, old, advantages, mask = _data()
     theta = torch.linspace(-0.3, 0.4, D).requires_grad_(True)
     logprobs = -torch.nn.functional.softplus(features[rows] @ theta)  # [n, L], a log-probability-like function of θ
-    loss, _ = policy_loss("dapo", logprobs, old[rows], advantages[rows], mask[rows], 0.2, 0.28, normalizer=normalizer)
+    loss, _ = policy_loss(
+        "dapo",
+        logprobs,
+        old[rows],
+        advantages[rows],
+        mask[rows],
+        {"clip_low": 0.2, "clip_high": 0.28},
+        normalizer=normalizer,
+    )
     loss.backward()
     return theta.grad
 
@@ -43,7 +52,7 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
     dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # as `trainer.strategy.reduce(..., reduce_op="sum")`
     grads = {}
     for name, normalizer in (
-        ("global", loss_normalizer("dapo", 2 if rank == 0 else 3, float(tokens), world)),
+        ("global", loss_normalizer("token", 2 if rank == 0 else 3, float(tokens), world)),
         ("per_rank", None),  # each rank's own token mean: the defect
     ):
         grad = _gradient(rows, normalizer)
@@ -65,5 +74,5 @@ def test_two_process_token_mean_equals_the_single_process_one(tmp_path):
 
 def test_token_normalizer_values():
     assert token_normalizer(17.0, 2) == 8.5 and token_normalizer(17.0) == 17.0
-    assert loss_normalizer("dapo", 3, 17.0, world_size=2) == 8.5
-    assert loss_normalizer("dspo", 3, 17.0, world_size=2) == 3.0  # sequence counts are per rank already
+    assert loss_normalizer("token", 3, 17.0, world_size=2) == 8.5  # dapo's unit
+    assert loss_normalizer("sequence", 3, 17.0, world_size=2) == 3.0  # sequence counts are per rank already

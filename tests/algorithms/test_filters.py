@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from dspo.algorithms.filters import FILTERS, get_filter, keep_all, mixed_outcome
+from dspo.algorithms.filters import FILTERS, keep_all, mixed_outcome
 
 
 def test_binary_cases() -> None:
@@ -46,10 +46,11 @@ def test_empty_batch() -> None:
 def test_keep_all_and_registry() -> None:
     rewards = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
     assert keep_all(rewards).tolist() == [True, True]
-    assert FILTERS["mixed_outcome"] is mixed_outcome
-    assert get_filter("none") is keep_all
-    with pytest.raises(KeyError, match="algorithm.filter"):
-        get_filter("mixed")
+    assert FILTERS["mixed_outcome"].keep is mixed_outcome and not FILTERS["mixed_outcome"].keeps_everything
+    assert FILTERS["none"].keep is keep_all and FILTERS["none"].keeps_everything  # declared: no over-sampling
+    assert FILTERS["none"](rewards).tolist() == [True, True]  # a record calls its function
+    with pytest.raises(KeyError, match=r"unknown group filter 'mixed' \(config key algorithm.filter\)"):
+        FILTERS["mixed"]
 
 
 def test_bad_inputs_raise() -> None:

@@ -18,16 +18,11 @@ import math
 import pytest
 import torch
 
-from dspo.algorithms.losses import (
-    KL_ESTIMATORS,
-    NORMALIZER_UNITS,
-    POLICY_LOSSES,
-    kl_penalty,
-    loss_normalizer,
-    policy_loss,
-)
+from dspo.algorithms.blocks import loss_normalizer
+from dspo.algorithms.losses import KL_ESTIMATORS, OBJECTIVES, ClipRange, kl_penalty, policy_loss
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+CLIP = ClipRange(CLIP_LOW, CLIP_HIGH)
 GARBAGE = 5.0  # off-mask Δ; if it leaked into any ratio the expected numbers below would be far off
 
 MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0], [1, 1, 1, 0]], dtype=torch.float64)
@@ -60,7 +55,7 @@ DSPO_STATS = {"clipfrac": 0.5, "ratio_mean": 1.2188430499, "ratio_min": 0.670320
 
 @pytest.mark.parametrize("name", ["dspo", "gspo"])
 def test_sequence_loss_hand_values(name: str) -> None:
-    loss, stats = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss, stats = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP)
     assert loss.item() == pytest.approx(DSPO_LOSS, abs=1e-8)
     for key, value in DSPO_STATS.items():
         assert stats[key].item() == pytest.approx(value, abs=1e-9), key
@@ -73,7 +68,7 @@ def test_sequence_loss_gradient_hand_values() -> None:
     #   seq 3: −(1/4)·1.4918247·(−1)/3 = +0.1243187 on its 3 tokens
     #   seqs 1, 2 are clipped → 0; every off-mask position → 0
     logprobs = _leaf(OLD + DELTA)
-    loss, _ = policy_loss("dspo", logprobs, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss, _ = policy_loss("dspo", logprobs, OLD, ADV, MASK, CLIP)
     loss.backward()
     g0, g3 = -0.1526753448, 0.1243187248
     expected = torch.tensor(
@@ -92,7 +87,7 @@ def test_sequence_loss_gradient_matches_equation_8_random() -> None:
     delta = (torch.rand(n, length, generator=gen, dtype=torch.float64) - 0.5) * 0.1  # |mean Δ| ≤ 0.05: inside the clip
     adv = torch.randn(n, generator=gen, dtype=torch.float64)
     logprobs = _leaf(old + delta)
-    loss, stats = policy_loss("dspo", logprobs, old, adv, mask, CLIP_LOW, CLIP_HIGH)
+    loss, stats = policy_loss("dspo", logprobs, old, adv, mask, CLIP)
     loss.backward()
     lengths = mask.sum(dim=1)
     s = torch.exp((delta * mask).sum(dim=1) / lengths.clamp(min=1))
@@ -108,7 +103,9 @@ def test_clipped_sequence_has_zero_gradient_unclipped_side_does_not() -> None:
     # row 0: Â>0 and s = e^0.5 = 1.6487 > 1.28 → clipped, no gradient
     # row 1: Â>0 and s = e^−0.5 = 0.6065 < 0.8 → min keeps s·Â: PPO never clips the side that lowers the objective
     logprobs = _leaf(torch.tensor([[0.5, 0.5, 0.5], [-0.5, -0.5, -0.5]], dtype=torch.float64))
-    loss, stats = policy_loss("dspo", logprobs, old, torch.tensor([1.0, 1.0], dtype=torch.float64), mask, 0.2, 0.28)
+    loss, stats = policy_loss(
+        "dspo", logprobs, old, torch.tensor([1.0, 1.0], dtype=torch.float64), mask, {"clip_low": 0.2, "clip_high": 0.28}
+    )
     loss.backward()
     assert torch.all(logprobs.grad[0] == 0)
     # −(1/2)·0.6065307·1/3 = −0.1010884 per token
@@ -125,7 +122,7 @@ def test_on_policy_sequence_and_token_gradients_agree() -> None:
     grads = {}
     for name in ("dspo", "grpo"):
         logprobs = _leaf(old)
-        loss, _ = policy_loss(name, logprobs, old, adv, mask, CLIP_LOW, CLIP_HIGH)
+        loss, _ = policy_loss(name, logprobs, old, adv, mask, CLIP)
         # on-policy value: −mean(Â) = −(0.5 − 1.5 + 1 + 2)/4 = −0.5
         assert loss.item() == pytest.approx(-0.5, abs=1e-12)
         loss.backward()
@@ -147,7 +144,7 @@ TOKEN_STATS = {"clipfrac": 7 / 11, "ratio_mean": 1.1506114912, "ratio_min": 0.67
 
 
 def test_grpo_hand_values() -> None:
-    loss, stats = policy_loss("grpo", OLD + DELTA, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss, stats = policy_loss("grpo", OLD + DELTA, OLD, ADV, MASK, CLIP)
     assert loss.item() == pytest.approx(-0.3613266635, abs=1e-8)
     for key, value in TOKEN_STATS.items():
         assert stats[key].item() == pytest.approx(value, abs=1e-9), key
@@ -158,7 +155,7 @@ def test_grpo_gradient_hand_values() -> None:
     #   seq 0 token 1: −(1/4)(1/2)(+1)·1.1051709 = −0.1381464
     #   seq 3: −(1/4)(1/3)(−1)·r = r/12 → 1.8221188/12 = 0.1518432, 1.3498588/12 = 0.1124882
     logprobs = _leaf(OLD + DELTA)
-    loss, _ = policy_loss("grpo", logprobs, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss, _ = policy_loss("grpo", logprobs, OLD, ADV, MASK, CLIP)
     loss.backward()
     a, b, c = -0.1381463648, 0.1518432334, 0.1124882340
     expected = torch.tensor([[0, a, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [b, c, c, 0]], dtype=torch.float64)
@@ -169,7 +166,7 @@ def test_grpo_gradient_hand_values() -> None:
 # per-sequence token sums from the grpo table: 2.3851709, −3.2, 5.12, −4.5218364 → −0.2166655 over 11 tokens
 # J = −0.0196969 → loss +0.0196969 (same per-token clipping, so the same stats)
 def test_dapo_hand_values() -> None:
-    loss, stats = policy_loss("dapo", OLD + DELTA, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss, stats = policy_loss("dapo", OLD + DELTA, OLD, ADV, MASK, CLIP)
     assert loss.item() == pytest.approx(0.0196968634, abs=1e-8)
     for key, value in TOKEN_STATS.items():
         assert stats[key].item() == pytest.approx(value, abs=1e-9), key
@@ -178,7 +175,7 @@ def test_dapo_hand_values() -> None:
 def test_dapo_weighs_tokens_grpo_weighs_sequences() -> None:
     # on-policy, r = 1: dapo gradient per trained token is −Â_i/T (T = 11 tokens), grpo's is −Â_i/(N |y_i|)
     logprobs = _leaf(OLD)
-    loss, _ = policy_loss("dapo", logprobs, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss, _ = policy_loss("dapo", logprobs, OLD, ADV, MASK, CLIP)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, -(ADV[:, None] * MASK) / 11)
 
@@ -187,20 +184,40 @@ def test_dapo_weighs_tokens_grpo_weighs_sequences() -> None:
 ALL = ["dspo", "gspo", "grpo", "dapo"]
 
 
-def test_registry() -> None:
-    assert set(ALL) <= set(POLICY_LOSSES)
-    assert POLICY_LOSSES["dspo"] is POLICY_LOSSES["gspo"]
-    with pytest.raises(KeyError, match="algorithm.loss"):
-        policy_loss("ppo", OLD, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+def test_registry_records_declare_units_levels_and_clip_ranges() -> None:
+    """Issue 30: one record per objective. The four built-ins declare their own clip ranges (the YAML files in
+    conf/algorithm/ state the same values: tests/test_configs.py)."""
+    assert set(ALL) <= set(OBJECTIVES)
+    assert OBJECTIVES["dspo"].loss is OBJECTIVES["gspo"].loss
+    facts = {n: (OBJECTIVES[n].normalizer_unit, OBJECTIVES[n].ratio_level, OBJECTIVES[n].settings) for n in ALL}
+    assert facts == {
+        "dspo": ("sequence", "sequence", ClipRange(3e-4, 4e-4)),
+        "gspo": ("sequence", "sequence", ClipRange(3e-4, 4e-4)),
+        "grpo": ("sequence", "token", ClipRange(0.2, 0.2)),
+        "dapo": ("token", "token", ClipRange(0.2, 0.28)),
+    }
+    with pytest.raises(KeyError, match=r"unknown objective 'ppo' \(config key algorithm.loss\)"):
+        policy_loss("ppo", OLD, OLD, ADV, MASK, CLIP)
+
+
+def test_settings_as_a_mapping_override_the_objectives_defaults() -> None:
+    as_mapping, _ = policy_loss("dapo", OLD + DELTA, OLD, ADV, MASK, {"clip_high": 0.28})  # clip_low: dapo's 0.2
+    assert as_mapping.item() == policy_loss("dapo", OLD + DELTA, OLD, ADV, MASK, CLIP)[0].item()
+    defaults, _ = policy_loss("grpo", OLD + DELTA, OLD, ADV, MASK)  # grpo's 0.2 / 0.2
+    assert defaults.item() == policy_loss("grpo", OLD + DELTA, OLD, ADV, MASK, ClipRange(0.2, 0.2))[0].item()
+    with pytest.raises(ValueError, match=r"^algorithm.loss_kwargs.clip: objective 'dspo' has no setting 'clip' \("):
+        policy_loss("dspo", OLD, OLD, ADV, MASK, {"clip": 0.2})
+    with pytest.raises(ValueError, match="algorithm.loss_kwargs.clip_low/clip_high: need 0 <= clip_low < 1"):
+        ClipRange(1.0, 0.2)
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_non_finite_off_mask_values_do_not_leak(name: str) -> None:
-    expected, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    expected, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP)
     logprobs = (OLD + DELTA).masked_fill(MASK == 0, float("-inf"))
     old = OLD.masked_fill(MASK == 0, float("nan"))
     leaf = _leaf(logprobs)
-    loss, stats = policy_loss(name, leaf, old, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss, stats = policy_loss(name, leaf, old, ADV, MASK, CLIP)
     loss.backward()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-12)
     assert torch.isfinite(leaf.grad).all()
@@ -209,23 +226,23 @@ def test_non_finite_off_mask_values_do_not_leak(name: str) -> None:
 
 @pytest.mark.parametrize("name", ALL)
 def test_mask_dtype_does_not_matter(name: str) -> None:
-    ref, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    ref, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP)
     for mask in (MASK.bool(), MASK.long(), MASK.float()):
-        loss, _ = policy_loss(name, OLD + DELTA, OLD, ADV, mask, CLIP_LOW, CLIP_HIGH)
+        loss, _ = policy_loss(name, OLD + DELTA, OLD, ADV, mask, CLIP)
         assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_all_empty_mask_gives_zero_loss_and_no_nan(name: str) -> None:
     leaf = _leaf(OLD + DELTA)
-    loss, stats = policy_loss(name, leaf, OLD, ADV, torch.zeros_like(MASK), CLIP_LOW, CLIP_HIGH)
+    loss, stats = policy_loss(name, leaf, OLD, ADV, torch.zeros_like(MASK), CLIP)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.all(leaf.grad == 0)
     assert stats["clipfrac"].item() == 0.0
     assert stats["ratio_mean"].item() == stats["ratio_min"].item() == stats["ratio_max"].item() == 1.0
     # a caller that counts units over an empty mini-batch passes normalizer 0: still 0, not 0/0
-    loss0, _ = policy_loss(name, OLD + DELTA, OLD, ADV, torch.zeros_like(MASK), CLIP_LOW, CLIP_HIGH, normalizer=0)
+    loss0, _ = policy_loss(name, OLD + DELTA, OLD, ADV, torch.zeros_like(MASK), CLIP, normalizer=0)
     assert loss0.item() == 0.0
 
 
@@ -236,7 +253,7 @@ def test_one_empty_sequence_counts_in_n_but_adds_nothing(name: str, hand_sum: fl
     old = torch.cat([OLD, torch.zeros(1, 4, dtype=torch.float64)])
     mask = torch.cat([MASK, torch.zeros(1, 4, dtype=torch.float64)])
     adv = torch.cat([ADV, torch.tensor([3.0], dtype=torch.float64)])
-    loss, stats = policy_loss(name, logprobs, old, adv, mask, CLIP_LOW, CLIP_HIGH)
+    loss, stats = policy_loss(name, logprobs, old, adv, mask, CLIP)
     loss.backward()
     assert loss.item() == pytest.approx(hand_sum / 5, abs=1e-8)
     assert torch.all(logprobs.grad[4] == 0)
@@ -247,46 +264,46 @@ def test_one_empty_sequence_counts_in_n_but_adds_nothing(name: str, hand_sum: fl
 @pytest.mark.parametrize(("name", "units"), [("dspo", 4), ("grpo", 4), ("dapo", 11)])
 def test_micro_batches_with_normalizer_sum_to_the_mini_batch_loss(name: str, units: int) -> None:
     # the hand batch has 4 sequences and 2 + 4 + 2 + 3 = 11 trained tokens
-    assert loss_normalizer(name, num_sequences=4, num_tokens=11.0) == units
-    full, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    assert loss_normalizer(OBJECTIVES[name].normalizer_unit, num_sequences=4, num_tokens=11.0) == units
+    full, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP)
     parts = [
-        policy_loss(name, (OLD + DELTA)[s], OLD[s], ADV[s], MASK[s], CLIP_LOW, CLIP_HIGH, normalizer=units)[0]
+        policy_loss(name, (OLD + DELTA)[s], OLD[s], ADV[s], MASK[s], CLIP, normalizer=units)[0]
         for s in (slice(0, 1), slice(1, 4))
     ]
     assert sum(p.item() for p in parts) == pytest.approx(full.item(), abs=1e-12)
 
 
-def test_loss_normalizer_covers_every_objective() -> None:
-    assert set(NORMALIZER_UNITS) == set(POLICY_LOSSES)
-    assert loss_normalizer("dapo", num_sequences=3, num_tokens=0.0) == 1.0  # empty mini-batch: at least 1
-    with pytest.raises(KeyError, match="no normalizer unit"):
-        loss_normalizer("ppo", 1, 1.0)
+def test_loss_normalizer_counts_the_objectives_unit() -> None:
+    assert loss_normalizer("token", num_sequences=3, num_tokens=0.0) == 1.0  # empty mini-batch: at least 1
+    assert loss_normalizer("sequence", num_sequences=3, num_tokens=0.0) == 3.0
+    with pytest.raises(ValueError, match="unit must be one of"):
+        loss_normalizer("word", 1, 1.0)
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_bad_normalizer_raises(bad: float) -> None:
     with pytest.raises(ValueError, match="normalizer"):
-        policy_loss("dspo", OLD, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH, normalizer=bad)
+        policy_loss("dspo", OLD, OLD, ADV, MASK, CLIP, normalizer=bad)
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_dtypes(name: str) -> None:
     # bf16 logprobs are upcast: the loss is float32 and equals the float32 computation on the same (rounded) values
     lp16, old16 = (OLD + DELTA).bfloat16(), OLD.bfloat16()
-    loss16, stats16 = policy_loss(name, lp16, old16, ADV.float(), MASK.bool(), CLIP_LOW, CLIP_HIGH)
-    loss32, _ = policy_loss(name, lp16.float(), old16.float(), ADV.float(), MASK, CLIP_LOW, CLIP_HIGH)
+    loss16, stats16 = policy_loss(name, lp16, old16, ADV.float(), MASK.bool(), CLIP)
+    loss32, _ = policy_loss(name, lp16.float(), old16.float(), ADV.float(), MASK, CLIP)
     assert loss16.dtype == torch.float32
     assert stats16["ratio_mean"].dtype == torch.float32
     assert loss16.item() == pytest.approx(loss32.item(), abs=1e-6)
-    loss64, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP_LOW, CLIP_HIGH)
+    loss64, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP)
     assert loss64.dtype == torch.float64
 
 
 def test_shape_errors() -> None:
     with pytest.raises(ValueError, match="one \\[N, L\\] shape"):
-        policy_loss("dspo", OLD, OLD[:, :3], ADV, MASK, CLIP_LOW, CLIP_HIGH)
+        policy_loss("dspo", OLD, OLD[:, :3], ADV, MASK, CLIP)
     with pytest.raises(ValueError, match="advantages must be"):
-        policy_loss("grpo", OLD, OLD, ADV[:3], MASK, CLIP_LOW, CLIP_HIGH)
+        policy_loss("grpo", OLD, OLD, ADV[:3], MASK, CLIP)
 
 
 # ---------------------------------------------------------------- KL estimators

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspo.algorithms.filters import FILTERS, get_filter
+from dspo.algorithms.blocks import loss_normalizer, token_normalizer
+from dspo.algorithms.filters import FILTERS
 from dspo.algorithms.losses import (
-    POLICY_LOSSES,
+    OBJECTIVES,
+    ClipRange,
     kl_penalty,
-    loss_normalizer,
     policy_loss,
     sequence_clip_loss,
     token_clip_token_mean_loss,
-    token_normalizer,
 )
 
 
@@ -32,28 +32,30 @@ def test_clipped_tokens_are_only_those_whose_clip_binds():
     1−ε_low. Zero advantages never clip; a positive advantage below 1−ε_low does not."""
     advantages = torch.tensor([0.0, 0.0, 0.5, 0.5, -1.0])
     logprobs, old, mask = _one_token_each([0.5, -0.5, -0.5, 0.5, -0.5])
-    _, stats = policy_loss("dapo", logprobs, old, advantages, mask, 0.2, 0.2)
+    _, stats = policy_loss("dapo", logprobs, old, advantages, mask, {"clip_low": 0.2, "clip_high": 0.2})
     assert float(stats["clipfrac"]) == pytest.approx(2 / 5)
 
 
 def test_a_ratio_on_the_clip_bound_is_not_clipped():
     logprobs, old, mask = _one_token_each([0.0, 0.0])  # ratio exactly 1 = 1 ± 0
     for name in ("dapo", "dspo"):
-        _, stats = policy_loss(name, logprobs, old, torch.tensor([1.0, -1.0]), mask, 0.0, 0.0)
+        _, stats = policy_loss(
+            name, logprobs, old, torch.tensor([1.0, -1.0]), mask, {"clip_low": 0.0, "clip_high": 0.0}
+        )
         assert float(stats["clipfrac"]) == 0.0
 
 
 def test_every_registered_objective_and_filter_dispatches():
     logprobs, old, mask = _one_token_each([0.1, -0.2, 0.05])
     advantages = torch.tensor([1.0, -0.5, 0.25])
-    for name, objective in POLICY_LOSSES.items():
-        assert callable(objective)
-        direct, _ = objective(logprobs, old, advantages, mask, 0.2, 0.3)
-        dispatched, _ = policy_loss(name, logprobs, old, advantages, mask, 0.2, 0.3)
+    for name, objective in OBJECTIVES.items():
+        assert callable(objective.loss) and objective.name == name
+        direct, _ = objective.loss(logprobs, old, advantages, mask, ClipRange(0.2, 0.3))
+        dispatched, _ = policy_loss(name, logprobs, old, advantages, mask, {"clip_low": 0.2, "clip_high": 0.3})
         assert torch.equal(direct, dispatched)
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     for name in FILTERS:
-        assert get_filter(name)(rewards).shape == (2,)
+        assert FILTERS[name](rewards).shape == (2,)
 
 
 def test_denominators_are_at_least_one_but_not_more():
@@ -61,18 +63,18 @@ def test_denominators_are_at_least_one_but_not_more():
     advantage = torch.tensor([0.8])
     for normalizer in (None, 1.0, 0.5):  # one sequence / one token: the loss is −Â
         for objective in (sequence_clip_loss, token_clip_token_mean_loss):
-            loss, _ = objective(logprobs, old, advantage, mask, 0.2, 0.2, normalizer=normalizer)
+            loss, _ = objective(logprobs, old, advantage, mask, ClipRange(0.2, 0.2), normalizer=normalizer)
             assert float(loss) == pytest.approx(-0.8)
-    assert loss_normalizer("dspo", 1, 5.0) == 1.0 and loss_normalizer("dapo", 1, 0.5) == 1.0
+    assert loss_normalizer("sequence", 1, 5.0) == 1.0 and loss_normalizer("token", 1, 0.5) == 1.0
 
 
 def test_shape_and_count_errors_are_exact():
     flat = torch.zeros(3)
     with pytest.raises(ValueError, match=r"must share one \[N, L\] shape"):
-        policy_loss("dspo", flat, flat, torch.zeros(3), flat, 0.2, 0.2)
+        policy_loss("dspo", flat, flat, torch.zeros(3), flat, {"clip_low": 0.2, "clip_high": 0.2})
     wide = torch.zeros(2, 5)  # N = 2, L = 5: the message must give N
     with pytest.raises(ValueError) as err:
-        policy_loss("dspo", wide, wide, torch.zeros(3), wide, 0.2, 0.2)
+        policy_loss("dspo", wide, wide, torch.zeros(3), wide, {"clip_low": 0.2, "clip_high": 0.2})
     assert str(err.value) == "advantages must be [N]=2, got (3,)"
     logprobs, old, mask = _one_token_each([0.0, 0.0])
     with pytest.raises(ValueError, match=r"^kl_penalty: normalizer must be a finite count >= 0"):
@@ -85,7 +87,12 @@ def test_shape_and_count_errors_are_exact():
 def test_statistics_of_an_empty_mask_keep_the_dtype():
     logprobs = torch.zeros(2, 3, dtype=torch.float64)
     loss, stats = policy_loss(
-        "dspo", logprobs, logprobs, torch.ones(2, dtype=torch.float64), torch.zeros(2, 3), 0.2, 0.2
+        "dspo",
+        logprobs,
+        logprobs,
+        torch.ones(2, dtype=torch.float64),
+        torch.zeros(2, 3),
+        {"clip_low": 0.2, "clip_high": 0.2},
     )
     assert float(loss) == 0.0
     assert all(value.dtype == torch.float64 for value in stats.values())
@@ -96,12 +103,20 @@ def test_sequence_weights_ignore_empty_sequences_and_name_the_objective():
     logprobs, old, mask = _one_token_each([0.1, 0.0])
     mask[1] = 0.0  # the second sequence has no trained token
     weights = torch.full_like(mask, 0.5)
-    loss, _ = policy_loss("dspo", logprobs, old, torch.tensor([1.0, -1.0]), mask, 0.2, 0.2, weights=weights)
+    loss, _ = policy_loss(
+        "dspo", logprobs, old, torch.tensor([1.0, -1.0]), mask, {"clip_low": 0.2, "clip_high": 0.2}, weights=weights
+    )
     assert float(loss) == pytest.approx(-0.5 * min(torch.exp(torch.tensor(0.1)).item(), 1.2) / 2)
     two_tokens = torch.tensor([[0.0, 1.0, 1.0]])
     with pytest.raises(ValueError) as err:
         policy_loss(
-            "dspo", torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1), two_tokens, 0.2, 0.2, weights=torch.rand(1, 3)
+            "dspo",
+            torch.zeros(1, 3),
+            torch.zeros(1, 3),
+            torch.ones(1),
+            two_tokens,
+            {"clip_low": 0.2, "clip_high": 0.2},
+            weights=torch.rand(1, 3),
         )
     assert str(err.value) == (
         "sequence_clip_loss is sequence-level: its weights must be constant over each sequence's trained tokens "
@@ -111,21 +126,33 @@ def test_sequence_weights_ignore_empty_sequences_and_name_the_objective():
 
 def test_token_weights_take_the_masks_dtype():
     logprobs, old, mask = _one_token_each([0.1])
-    loss, _ = policy_loss("dapo", logprobs, old, torch.ones(1), mask, 0.2, 0.2, weights=torch.ones(1, 2).double())
+    loss, _ = policy_loss(
+        "dapo",
+        logprobs,
+        old,
+        torch.ones(1),
+        mask,
+        {"clip_low": 0.2, "clip_high": 0.2},
+        weights=torch.ones(1, 2).double(),
+    )
     assert loss.dtype == torch.float32
 
 
 def test_the_ratio_is_computed_in_the_promoted_dtype_of_the_new_logprobs():
     """float32 logprobs against float64 old ones: the log-ratio (and loss) stay float32, as for a bf16 policy."""
     logprobs, old, mask = _one_token_each([0.1, -0.1])
-    loss, _ = policy_loss("dapo", logprobs, old.double(), torch.tensor([1.0, -1.0]), mask, 0.2, 0.2)
+    loss, _ = policy_loss(
+        "dapo", logprobs, old.double(), torch.tensor([1.0, -1.0]), mask, {"clip_low": 0.2, "clip_high": 0.2}
+    )
     assert loss.dtype == torch.float32
 
 
 def test_weights_of_the_wrong_shape_name_the_objective():
     logprobs, old, mask = _one_token_each([0.1])
     with pytest.raises(ValueError) as err:
-        policy_loss("dspo", logprobs, old, torch.ones(1), mask, 0.2, 0.2, weights=torch.ones(1, 3))
+        policy_loss(
+            "dspo", logprobs, old, torch.ones(1), mask, {"clip_low": 0.2, "clip_high": 0.2}, weights=torch.ones(1, 3)
+        )
     assert str(err.value) == "sequence_clip_loss: weights (1, 3) must have the mask's shape (1, 2)"
 
 
@@ -133,28 +160,42 @@ def test_registering_fills_every_table():
     """The decorators themselves, called at test time (the built-in entries were registered at import, before a
     mutation-testing run switches a mutant on). The entries added here are removed at the end."""
     from dspo.algorithms import losses
+    from dspo.algorithms.advantages import ADVANTAGES, register_advantage
 
     added = {"toy_a", "toy_b", "toy_c"}
     try:
-        assert losses.register_loss("toy_a", "toy_b", normalizer_unit="token", ratio_level="token")(sequence_clip_loss)
-        losses.register_loss("toy_c")(sequence_clip_loss)
+        wrap = losses.register_objective("toy_a", "toy_b", normalizer_unit="token", ratio_level="token")
+        assert wrap(sequence_clip_loss) is sequence_clip_loss
+        losses.register_objective("toy_c", settings=ClipRange(0.1, 0.2))(sequence_clip_loss)
         for name in ("toy_a", "toy_b"):
-            assert losses.POLICY_LOSSES[name] is sequence_clip_loss
-            assert losses.NORMALIZER_UNITS[name] == losses.RATIO_LEVELS[name] == "token"
-        assert losses.NORMALIZER_UNITS["toy_c"] == losses.RATIO_LEVELS["toy_c"] == "sequence"
+            record = losses.OBJECTIVES[name]
+            assert (record.name, record.loss, record.settings) == (name, sequence_clip_loss, None)
+            assert record.normalizer_unit == record.ratio_level == "token"
+        toy_c = losses.OBJECTIVES["toy_c"]
+        assert toy_c.normalizer_unit == toy_c.ratio_level == "sequence" and toy_c.settings == ClipRange(0.1, 0.2)
         with pytest.raises(ValueError) as err:
-            losses.register_loss("toy_d", ratio_level="word")
-        assert str(err.value) == "register_loss('toy_d',): ratio_level must be one of ('sequence', 'token'), got 'word'"
+            losses.register_objective("toy_d", ratio_level="word")
+        assert str(err.value) == (
+            "register_objective('toy_d',): ratio_level must be one of ('sequence', 'token'), got 'word'"
+        )
         with pytest.raises(ValueError, match="normalizer_unit must be one of"):
-            losses.register_loss("toy_d", normalizer_unit="Sequence")
+            losses.register_objective("toy_d", normalizer_unit="Sequence")
+        assert "toy_d" not in losses.OBJECTIVES
 
         def keep_all(rewards: torch.Tensor) -> torch.Tensor:
             return torch.ones(rewards.shape[0], dtype=torch.bool)
 
         from dspo.algorithms.filters import register_filter
 
-        assert register_filter("toy_a")(keep_all) is keep_all and FILTERS["toy_a"] is keep_all
+        assert register_filter("toy_a", keeps_everything=True)(keep_all) is keep_all
+        assert FILTERS["toy_a"].keep is keep_all and FILTERS["toy_a"].keeps_everything
+        assert not FILTERS["mixed_outcome"].keeps_everything and FILTERS["none"].keeps_everything
+
+        def centred(rewards: torch.Tensor, settings) -> torch.Tensor:
+            return rewards - rewards.mean(dim=1, keepdim=True)
+
+        assert register_advantage("toy_a")(centred) is centred and ADVANTAGES["toy_a"].estimate is centred
     finally:
-        for table in (losses.POLICY_LOSSES, losses.NORMALIZER_UNITS, losses.RATIO_LEVELS, FILTERS):
+        for table in (losses.OBJECTIVES, FILTERS, ADVANTAGES):
             for name in added:
                 table.pop(name, None)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.algorithms.losses import POLICY_LOSSES, RATIO_LEVELS, policy_loss
+from dspo.algorithms.losses import OBJECTIVES, policy_loss
 from dspo.algorithms.rollout_correction import (
     CORRECTION_MODES,
     RolloutCorrectionConfig,
@@ -191,7 +191,7 @@ def test_injected_mismatch_gives_expected_weights_and_gradients(loss: str, mode:
     expected_w = torch.tensor(seq_weight, dtype=torch.float64)[:, None] * INJECT_MASK
     torch.testing.assert_close(weights, expected_w, atol=1e-9, rtol=0)
     assert stats["logprob_diff_abs_mean"].item() == pytest.approx((3 * 0.2 + 2 * 1.0) / 9)
-    out, _ = policy_loss(loss, logprobs, old, ADV, INJECT_MASK, 0.2, 0.28, weights=weights)
+    out, _ = policy_loss(loss, logprobs, old, ADV, INJECT_MASK, {"clip_low": 0.2, "clip_high": 0.28}, weights=weights)
     out.backward()
     lengths = INJECT_MASK.sum(1, keepdim=True)
     if loss == "dapo":
@@ -201,13 +201,15 @@ def test_injected_mismatch_gives_expected_weights_and_gradients(loss: str, mode:
     torch.testing.assert_close(logprobs.grad, expected, atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_weights_none_and_ones_leave_every_objective_unchanged(name: str) -> None:
     torch.manual_seed(0)
     logprobs = (torch.randn(3, 4, dtype=torch.float64) - 1).requires_grad_(True)
     old = logprobs.detach() + 0.01 * torch.randn(3, 4, dtype=torch.float64)
-    plain, plain_stats = policy_loss(name, logprobs, old, ADV, INJECT_MASK, 0.2, 0.28)
-    ones, ones_stats = policy_loss(name, logprobs, old, ADV, INJECT_MASK, 0.2, 0.28, weights=INJECT_MASK.clone())
+    plain, plain_stats = policy_loss(name, logprobs, old, ADV, INJECT_MASK, {"clip_low": 0.2, "clip_high": 0.28})
+    ones, ones_stats = policy_loss(
+        name, logprobs, old, ADV, INJECT_MASK, {"clip_low": 0.2, "clip_high": 0.28}, weights=INJECT_MASK.clone()
+    )
     assert plain.item() == ones.item() and plain_stats == ones_stats
 
 
@@ -215,14 +217,14 @@ def test_sequence_objective_refuses_weights_varying_within_a_sequence() -> None:
     weights, _ = correction_weights(OLD, ENGINE, MASK, "token_tis")
     adv = torch.zeros(5, dtype=torch.float64)
     with pytest.raises(ValueError, match="algorithm.rollout_correction.mode"):
-        policy_loss("dspo", OLD.clone(), OLD, adv, MASK, 3e-4, 4e-4, weights=weights)
+        policy_loss("dspo", OLD.clone(), OLD, adv, MASK, {"clip_low": 3e-4, "clip_high": 4e-4}, weights=weights)
     with pytest.raises(ValueError, match="mask's shape"):
-        policy_loss("dapo", OLD.clone(), OLD, adv, MASK, 0.2, 0.28, weights=weights[:, :2])
+        policy_loss("dapo", OLD.clone(), OLD, adv, MASK, {"clip_low": 0.2, "clip_high": 0.28}, weights=weights[:, :2])
 
 
 # ------------------------------------------------------------------------------------------------- config
 def test_every_objective_has_a_ratio_level_and_every_mode_a_level() -> None:
-    assert set(RATIO_LEVELS) == set(POLICY_LOSSES)
+    assert {OBJECTIVES[name].ratio_level for name in OBJECTIVES} <= {"token", "sequence"}
     assert {correction_level(m) for m in CORRECTION_MODES} == {"token", "sequence"}
 
 

@@ -173,7 +173,7 @@ def test_rounds_fill_their_slots_with_per_round_seeds_and_samples_every_n_rounds
     built, build_round = [], env_module.build_round
 
     def recording_build_round(groups, **kwargs):
-        built.append((kwargs["policy_version"], kwargs["seed"], kwargs["num_minibatches"], kwargs["adv_eps"]))
+        built.append((kwargs["policy_version"], kwargs["seed"], kwargs["num_minibatches"], kwargs["advantages"]))
         return build_round(groups, **kwargs)
 
     env_module.build_round = recording_build_round
@@ -181,7 +181,8 @@ def test_rounds_fill_their_slots_with_per_round_seeds_and_samples_every_n_rounds
         run.trainer.fit(run.module, datamodule=run.datamodule)
     finally:
         env_module.build_round = build_round
-    assert built == [(r, 3 + r, 2, run.callback.algo.adv_eps) for r in range(3)]  # the shuffle's seed: seed + round
+    algo = run.callback.algo
+    assert built == [(r, 3 + r, 2, algo.advantages) for r in range(3)]  # the shuffle's seed: seed + round
     assert set(run.trainer.progress_bar_metrics) == {"reward", "keep"}  # the bar shows reward and keep-rate only
     assert not {"reward", "keep"} & run.trainer.logged_metrics.keys()  # ... which are not logged twice
     assert "rollout/keep_rate" in run.trainer.logged_metrics and "train/reward_mean" in run.trainer.logged_metrics

@@ -1,8 +1,10 @@
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+from dspo.algorithms.advantages import group_advantages
 from dspo.algorithms.rollout_correction import correction_weights
 from dspo.data.buffer import build_round, collate_trajectories, padding_share
 from dspo.types import QAItem, RolloutGroup, Trajectory
@@ -168,7 +170,8 @@ def test_the_round_shuffle_is_seeded():
 
 def test_round_fields_versions_and_eps():
     groups = [_group([1, 0, 0, 1], [2, 9, 3, 8]), _group([0, 0, 1, 0], [4, 5, 6, 7])]
-    rnd = build_round(groups, 2, 3, pad_token_id=0, policy_version=6, seed=0, adv_eps=1.0)
+    estimator = partial(group_advantages, eps=1.0)  # the configured estimator, as the callback passes it
+    rnd = build_round(groups, 2, 3, pad_token_id=0, policy_version=6, seed=0, advantages=estimator)
     assert rnd.groups is groups and rnd.policy_version == 6
     batches = [b for mb in rnd.minibatches for b in mb]
     assert all(b.policy_version == 6 for b in batches)

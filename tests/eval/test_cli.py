@@ -299,7 +299,7 @@ def test_paper_experiments_compose_and_instantiate(experiment: str, tmp_path: Pa
         512,
         2,
     )
-    assert (algorithm.clip_low, algorithm.clip_high, algorithm.kl_coef) == (3e-4, 4e-4, 0.0)
+    assert (algorithm.loss_kwargs, algorithm.kl_coef) == ({"clip_low": 3e-4, "clip_high": 4e-4}, 0.0)
     agent = instantiate(cfg.rollout.agent)
     assert (agent.max_turns, agent.topk, agent.max_new_tokens_per_turn, agent.max_total_tokens) == (4, 3, 500, 4096)
     assert cfg.rollout.engine.max_model_len >= agent.max_total_tokens
