@@ -223,40 +223,6 @@ def test_policy_is_built_in_train_mode_without_dropout(tmp_path):
     assert not with_kl.reference.training and not any(p.requires_grad for p in with_kl.reference.parameters())
 
 
-def test_dropout_modules_are_zeroed_in_any_model():
-    from dspo.module import train_mode_without_dropout
-
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))  # no `config` attribute
-    model.eval()
-    train_mode_without_dropout(model)
-    assert model.training and model[1].p == 0.0
-
-
-def test_adamw_is_fused_where_torch_supports_it_and_falls_back_or_refuses(monkeypatch):
-    from dspo.module import OptimizerConfig, build_adamw
-
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    cfg = OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), weight_decay=0.05)
-    fused = build_adamw(params, cfg).defaults
-    assert fused["fused"] is True  # CPU float32: fused
-    multi = build_adamw(params, OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), weight_decay=0.05, fused=False)).defaults
-    assert multi["foreach"] is True and not multi["fused"]
-    for defaults in (fused, multi):
-        assert (defaults["lr"], defaults["betas"], defaults["weight_decay"]) == (3e-4, (0.8, 0.9), 0.05)
-    real = torch.optim.AdamW
-
-    def no_fused_kernel(*args, fused=None, **kwargs):
-        if fused:
-            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch.optim, "AdamW", no_fused_kernel)
-    fallback = build_adamw(params, cfg).defaults
-    assert fallback["foreach"] is True and fallback["lr"] == 3e-4  # auto: falls back
-    with pytest.raises(ValueError, match="optimizer.fused=true"):
-        build_adamw(params, OptimizerConfig(fused=True))
-
-
 def test_logged_step_metrics_are_the_values_of_the_minibatch(lm_dir, tmp_path):
     """Every train/* and rollout/* scalar of a step, recomputed from the step's own data and weights (M = 2, warm-up
     of 2 steps): the lr this step applied, the rewards and lengths of its mini-batch, the round it belongs to, the
