@@ -10,8 +10,9 @@ model folder (`dspo_run.json`), and `dspo-eval` / `dspo-rollout` adopt them when
 - `rollout.agent`: the record's agent; a key given on the command line (`rollout.agent.topk=3`) is applied on top of
   it, with a warning that names the key and the trained value;
 - `rollout.engine`: the record's engine, unless the command line picks another (`rollout=hf`); its keys likewise;
-- `retriever`, `data`: the record's, unless the command line touches the group or any key of it (then the command
-  line's whole section: `retriever=remote retriever.url=...`, `data=file data.path=...`);
+- `retriever`, `env`, `data`: the record's, unless the command line touches the group or any key of it (then the
+  command line's whole section: `retriever=remote retriever.url=...`, `env=ikea`, `data=file data.path=...`). The
+  environment is recorded as written, so its search tool follows the retriever the command ends up with;
 - the evaluation batch size, unless `eval.batch_size` is given (it only changes numerics, not which questions).
 
 A model folder without `dspo_run.json` (any Hugging Face model) keeps the command's own defaults.
@@ -45,9 +46,9 @@ AGENT_KEYS_THAT_MATTER = (
 log = logging.getLogger(__name__)
 
 
-def _section(cfg: DictConfig, key: str) -> Any:
+def _section(cfg: DictConfig, key: str, resolve: bool = True) -> Any:
     node = OmegaConf.select(cfg, key, default=None)
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    return OmegaConf.to_container(node, resolve=resolve) if isinstance(node, DictConfig) else node
 
 
 def run_record(cfg: DictConfig) -> dict[str, Any]:
@@ -62,6 +63,9 @@ def run_record(cfg: DictConfig) -> dict[str, Any]:
         "config": {
             "rollout": _section(cfg, "rollout"),
             "retriever": _section(cfg, "retriever"),
+            # as written, not resolved: its `${retriever}` and `${rollout.agent.*}` then follow what the evaluating
+            # command adopted or was given (retriever=remote ... reaches the adopted environment's search tool)
+            "env": _section(cfg, "env", resolve=False),
             "data": _section(cfg, "data"),
             "eval_batch_size": OmegaConf.select(cfg, "callbacks.environment.eval_batch_size", default=None),
             "algorithm": {
@@ -183,6 +187,10 @@ def describe(section: str, value: Mapping[str, Any]) -> str:
     if section == "retriever":
         where = value.get("index") or value.get("url") or ""
         return f"{target} {where}".strip()
+    if section == "env":
+        tools = ", ".join(value.get("tools") or {}) or "no tools"
+        reward = str((value.get("reward") or {}).get("_target_", "")).rsplit(".", 1)[-1]
+        return f"tools {tools}; reward {reward}"
     if section == "data":
         files = value.get("test_files") or value.get("files") or {}
         limit = value.get("test_limit", value.get("limit"))

@@ -62,18 +62,25 @@ class Trajectory:
     response_ids: list[int]  # [R]
     response_mask: list[int]  # [R] 1 = trained (model-generated), 0 = environment
     engine_logprobs: list[float]  # [R] engine logprob on mask-1 tokens, 0.0 elsewhere
-    reward: float = 0.0
+    reward: float = 0.0  # what the group advantage uses: outcome + shaping + Σ step_rewards (dspo.env.rewards)
+    outcome: float | None = None  # the 0/1 correctness the dynamic filter tests (None: the reward itself)
+    step_rewards: list[float | None] = field(default_factory=list)  # [turns] per-turn rewards (None: none)
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [turns] (start, end) response positions
+    reward_components: dict[str, float] = field(default_factory=dict)  # logged as reward/<name>
     answer: str | None = None
     question: str = ""
     golden_answers: list[str] = field(default_factory=list)
     response_text: str = ""
     num_turns: int = 0
-    num_search_calls: int = 0
+    num_search_calls: int = 0  # valid tool calls (every tool; per tool in tool_calls)
     num_invalid_calls: int = 0
+    tool_calls: dict[str, int] = field(default_factory=dict)
     truncated: bool = False  # hit the total length cap or max_turns without an answer
     policy_version: int = 0  # number of completed training rounds when this was generated
 
     def __post_init__(self) -> None:
+        if self.outcome is None:
+            self.outcome = self.reward
         n = len(self.response_ids)
         if len(self.response_mask) != n or len(self.engine_logprobs) != n:
             raise ValueError(
@@ -96,7 +103,13 @@ class RolloutGroup:
 
     @property
     def rewards(self) -> torch.Tensor:
-        return torch.tensor([t.reward for t in self.trajectories], dtype=torch.float32)  # [G]
+        """What the advantages use (outcome + shaping + step rewards). [G]"""
+        return torch.tensor([t.reward for t in self.trajectories], dtype=torch.float32)
+
+    @property
+    def outcomes(self) -> torch.Tensor:
+        """The 0/1 outcomes the dynamic filter tests. [G]"""
+        return torch.tensor([t.outcome for t in self.trajectories], dtype=torch.float32)
 
     @property
     def policy_version(self) -> int:

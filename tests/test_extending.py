@@ -157,16 +157,17 @@ def test_new_world_prepares_and_builds_with_its_retriever(examples, tmp_path):
     datamodule = objects["datamodule"]
     datamodule.setup("fit")
     assert len(datamodule.sampler.items) == 40 and list(datamodule.val_sets) == ["ships"]
-    (environment,) = [c for c in objects["callbacks"] if hasattr(c, "retriever")]
+    (callback,) = [c for c in objects["callbacks"] if hasattr(c, "env")]
+    retriever = callback.env.tools["search"].retriever  # the search tool of env=search, over the ships index
     one_hop, two_hop = datamodule.val_sets["ships"][:2]  # even ids ask the home port, odd ids its coast
     ship = one_hop.question.removeprefix("From which port does ").removesuffix(" sail?")
-    (hits,) = environment.retriever.search([ship], k=1)
+    (hits,) = retriever.search([ship], k=1)
     assert hits[0].title == ship and hits[0].text.endswith(f"sails from {one_hop.golden_answers[0]}.")
     # two searches answer a 2-hop question: the ship's passage names its port, the port's passage its coast
     ship = two_hop.question.removeprefix("On which coast is the home port of ").removesuffix("?")
-    (hits,) = environment.retriever.search([ship], k=1)
+    (hits,) = retriever.search([ship], k=1)
     port = hits[0].text.split("sails from ")[1].rstrip(".")
-    (hits,) = environment.retriever.search([port], k=1)
+    (hits,) = retriever.search([port], k=1)
     assert hits[0].title == port and hits[0].text == f"{port} is a port on the {two_hop.golden_answers[0]}."
     assert two_hop.metadata == {"hops": 2}
 

@@ -82,6 +82,26 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
+def turn_advantages(step_rewards: list[list[float | None]], eps: float = 1e-6) -> list[list[float]]:
+    """Group-normalized advantages of the step rewards of one group's G trajectories (per-turn credit, as StepSearch's
+    token-level process supervision): each turn's (r − mean) / (std + eps), mean and unbiased std over every turn of
+    the group that has a step reward; a turn without one (None, e.g. the answer turn) gets 0, and so does every turn
+    when the group has fewer than two step rewards.
+
+    Args:
+        step_rewards: [G][turns of trajectory i] step rewards, None where a turn has none.
+    Returns:
+        [G][turns] advantages.
+    """
+    values = torch.tensor([r for rewards in step_rewards for r in rewards if r is not None], dtype=torch.float64)
+    if values.numel() < 2 or not torch.isfinite(values).all():
+        if values.numel() and not torch.isfinite(values).all():
+            raise ValueError(f"turn_advantages: step rewards contain NaN/inf: {step_rewards}; check the reward")
+        return [[0.0] * len(rewards) for rewards in step_rewards]
+    mean, std = float(values.mean()), float(values.std())
+    return [[0.0 if r is None else (r - mean) / (std + eps) for r in rewards] for rewards in step_rewards]
+
+
 @dataclass(frozen=True)
 class GroupNorm:
     """`group_norm`'s setting: δ of Eq. 10."""

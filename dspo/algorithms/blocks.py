@@ -18,15 +18,27 @@ Stats = dict[str, torch.Tensor]
 LEVELS = ("sequence", "token")
 
 
-def check_shapes(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor):
-    """logprobs, old_logprobs, mask: one [N, L]; advantages: [N] (one per sequence)."""
+def check_shapes(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    token_advantages: bool = False,
+) -> None:
+    """logprobs, old_logprobs, mask: one [N, L]; advantages: [N] (one per sequence), or [N, L] (one per token, from
+    per-turn credit) for an objective that takes `token_advantages`."""
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
             f"{tuple(mask.shape)} must share one [N, L] shape"
         )
+    if token_advantages and advantages.shape == logprobs.shape:
+        return
     if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [N]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
+        hint = ""
+        if advantages.dim() == 2:
+            hint = " or [N, L]" if token_advantages else " (per-token advantages need a token-level objective)"
+        raise ValueError(f"advantages must be [N]={logprobs.shape[0]}{hint}, got {tuple(advantages.shape)}")
 
 
 def masked_log_ratio(

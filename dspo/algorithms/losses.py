@@ -87,6 +87,7 @@ class Objective:
     normalizer_unit: str = "sequence"  # what the mini-batch `normalizer` counts: "sequence" or "token"
     ratio_level: str = "sequence"  # "sequence": one ratio per sequence, only sequence-level correction weights
     settings: Any = None  # the default settings (a dataclass instance), None for an objective without settings
+    token_advantages: bool = False  # takes advantages [N, L] (per-turn credit, env.reward.credit=turn) as well as [N]
 
     def __post_init__(self) -> None:
         for key in ("normalizer_unit", "ratio_level"):
@@ -102,7 +103,11 @@ OBJECTIVES: Registry[Objective] = Registry("objective", "algorithm.loss")
 
 
 def register_objective(
-    *names: str, normalizer_unit: str = "sequence", ratio_level: str = "sequence", settings: Any = None
+    *names: str,
+    normalizer_unit: str = "sequence",
+    ratio_level: str = "sequence",
+    settings: Any = None,
+    token_advantages: bool = False,
 ) -> Callable[[ObjectiveFn], ObjectiveFn]:
     """Register `fn` under `names` (values of algorithm.loss), with its record's facts and default `settings`.
 
@@ -110,6 +115,8 @@ def register_objective(
     ratio_level: "sequence" (default) admits only none/seq_tis/seq_mis/seq_rs, whose weights are valid for every
         objective; declare "token" when the objective weighs tokens one by one and can take token_* modes too.
     settings: a dataclass instance holding the objective's own settings with their defaults (None: no settings).
+    token_advantages: the objective weighs each token by its own advantage when given advantages [N, L] (per-turn
+        credit); sequence-level objectives leave it False and get one advantage per sequence.
     """
 
     for key, value in (("normalizer_unit", normalizer_unit), ("ratio_level", ratio_level)):
@@ -118,7 +125,7 @@ def register_objective(
 
     def wrap(fn: ObjectiveFn) -> ObjectiveFn:
         for name in names:
-            OBJECTIVES.add(name, Objective(name, fn, normalizer_unit, ratio_level, settings))
+            OBJECTIVES.add(name, Objective(name, fn, normalizer_unit, ratio_level, settings, token_advantages))
         return fn
 
     return wrap
@@ -162,10 +169,11 @@ def _token_clip_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor, Stats]:
     """The token-level body shared by grpo and dapo: per-token ratio r_it = πθ/πold, clipped per token, times the
     token's correction weight. Returns the surrogate [N, L], the float mask [N, L] and the ratio statistics."""
-    check_shapes(logprobs, old_logprobs, advantages, mask)
+    check_shapes(logprobs, old_logprobs, advantages, mask, token_advantages=True)
     delta, mask_f = masked_log_ratio(logprobs, old_logprobs, mask)
     ratio = torch.exp(delta)  # [N, L]; exactly 1 off-mask, then weighted 0 by the mask
-    surrogate, is_clipped = clipped_surrogate(ratio, advantages[:, None], settings.clip_low, settings.clip_high)
+    per_token = advantages if advantages.dim() == 2 else advantages[:, None]  # [N, L] (per-turn credit) or [N, 1]
+    surrogate, is_clipped = clipped_surrogate(ratio, per_token, settings.clip_low, settings.clip_high)
     weights = token_weights(weights, mask_f, where)
     if weights is not None:
         surrogate = surrogate * weights
@@ -205,11 +213,15 @@ def token_clip_token_mean_loss(
     return -(surrogate * mask_f).sum() / denominator(normalizer, mask_f.sum(), where), stats
 
 
-register_objective("grpo", ratio_level="token", settings=ClipRange(clip_low=0.2, clip_high=0.2))(
+register_objective("grpo", ratio_level="token", settings=ClipRange(clip_low=0.2, clip_high=0.2), token_advantages=True)(
     token_clip_sequence_mean_loss
 )
 register_objective(
-    "dapo", normalizer_unit="token", ratio_level="token", settings=ClipRange(clip_low=0.2, clip_high=0.28)
+    "dapo",
+    normalizer_unit="token",
+    ratio_level="token",
+    settings=ClipRange(clip_low=0.2, clip_high=0.28),
+    token_advantages=True,
 )(token_clip_token_mean_loss)
 
 

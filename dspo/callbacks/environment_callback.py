@@ -35,7 +35,7 @@ class EnvironmentCallback(pl.Callback):
     """Args:
     engine: partial constructor of a RolloutEngine taking `model_path` (conf/rollout/*.yaml `engine`).
     agent: `dspo.rollout.agent.AgentConfig` (conf/rollout/*.yaml `agent`).
-    retriever: a `dspo.search.Retriever` (conf/retriever/).
+    env: the `dspo.env.Environment` (conf/env/: tools + reward); a bare `Retriever` stands for the default one.
     algorithm, model: the same objects the module gets.
     eval_batch_size: questions per engine call in validation/test.
     sample_every_n_rounds: write one kept group's trajectories as TensorBoard text every N rounds (0 = never).
@@ -46,7 +46,7 @@ class EnvironmentCallback(pl.Callback):
         self,
         engine: Any,
         agent: Any,
-        retriever: Any,
+        env: Any,
         algorithm: AlgorithmConfig,
         model: ModelConfig,
         seed: int = 0,
@@ -61,7 +61,11 @@ class EnvironmentCallback(pl.Callback):
                 "the trainer would score a distribution that was not sampled. Set only algorithm.temperature "
                 "(conf/rollout/*.yaml interpolate it)"
             )
-        self.engine_factory, self.agent_config, self.retriever = engine, agent, retriever
+        from dspo.env import Environment, check_credit_fits
+
+        if isinstance(env, Environment):
+            check_credit_fits(env, algorithm.objective)  # at build time, before any model is loaded
+        self.engine_factory, self.agent_config, self.env = engine, agent, env
         self.algo, self.model_cfg, self.seed = algorithm, model, seed
         self.eval_batch_size, self.sample_every_n_rounds, self.export_dir = (
             eval_batch_size,
@@ -85,7 +89,7 @@ class EnvironmentCallback(pl.Callback):
 
             self.tokenizer = load_tokenizer(self.model_cfg)
             self.engine = self.engine_factory(model_path=self.model_cfg.path)
-            self.agent = SearchAgent(self.engine, self.tokenizer, self.retriever, self.agent_config)
+            self.agent = SearchAgent(self.engine, self.tokenizer, self.env, self.agent_config)
             self.environment = RolloutEnvironment(self.agent, self.algo, trainer.global_rank, trainer.world_size)
             if self._keep_rate_estimate is not None:
                 self.environment.keep_rate_estimate = float(self._keep_rate_estimate)
@@ -126,6 +130,9 @@ class EnvironmentCallback(pl.Callback):
                 f"engine holds weights after {self.engine.version} optimizer steps, the policy after {weights}; "
                 f"round {version} is starting: the weight push was skipped (a bug in dspo; please report it)"
             )
+        env = getattr(self.agent, "env", None)
+        if env is not None:  # curricula (a simulator's growing noise) read where training is
+            env.on_progress(trainer.global_step, trainer.max_steps)
         groups, stats = self.environment.sample_round(
             datamodule.sampler,
             policy_version=version,
@@ -140,6 +147,7 @@ class EnvironmentCallback(pl.Callback):
             policy_version=version,
             seed=self.seed + version,
             advantages=self.algo.advantages,
+            credit=getattr(env, "credit", "trajectory"),
         )
         self.cursor = 0
         stats["rollout/padding_share"] = self.current.stats["padding_share"]

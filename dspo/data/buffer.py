@@ -1,5 +1,9 @@
 """Rollout groups -> mini-batches -> padded `PolicyBatch` micro-batches.
 
+Advantages: one per trajectory from the configured estimator on the groups' rewards (Eq. 10 by default), or, with
+per-turn credit (`env.reward.credit=turn`), one per token: each model turn's tokens get the trajectory's outcome
+advantage plus the group-normalized advantage of that turn's step reward (`turn_advantages`; StepSearch).
+
 One round holds B groups of G trajectories. They are shuffled (seeded) and cut into M mini-batches, one optimizer step
 each (M = 1 is fully on-policy). Inside a mini-batch, sequences are sorted by length before being cut into
 micro-batches, and each micro-batch is padded only to its own longest sequence: this length bucketing keeps the share of
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspo.algorithms.advantages import group_advantages
+from dspo.algorithms.advantages import group_advantages, turn_advantages
 from dspo.types import PolicyBatch, RolloutGroup, Trajectory
 
 
@@ -41,24 +45,51 @@ def _pad(rows: list[list[float]], value: float, dtype: torch.dtype) -> torch.Ten
 
 
 def collate_trajectories(
-    trajectories: list[Trajectory], advantages: list[float], pad_token_id: int, policy_version: int
+    trajectories: list[Trajectory], advantages: list, pad_token_id: int, policy_version: int
 ) -> PolicyBatch:
     """Pad prompt+response of each trajectory to one [N, L] batch; loss_mask covers the response's mask-1 tokens.
 
     Token t's engine logprob sits at position t, as loss_mask and the trainer's logprobs (dspo.models.logprobs) do.
+    `advantages`: one float per trajectory ([N]), or one list per trajectory of one value per response token
+    ([N, L], placed after the prompt like the logprobs; per-turn credit).
     """
     ids = [t.prompt_ids + t.response_ids for t in trajectories]
     masks = [[0] * len(t.prompt_ids) + list(t.response_mask) for t in trajectories]
     engine = [[0.0] * len(t.prompt_ids) + list(t.engine_logprobs) for t in trajectories]
+    if advantages and isinstance(advantages[0], list):
+        per_token = [[0.0] * len(t.prompt_ids) + list(a) for t, a in zip(trajectories, advantages)]
+        advantage_tensor = _pad(per_token, 0.0, torch.float32)  # [N, L]
+    else:
+        advantage_tensor = torch.tensor(advantages, dtype=torch.float32)  # [N]
     return PolicyBatch(
         input_ids=_pad(ids, pad_token_id, torch.long),  # [N, L]
         attention_mask=_pad([[1] * len(x) for x in ids], 0, torch.long),  # [N, L]
         loss_mask=_pad(masks, 0, torch.float32),  # [N, L]
         engine_logprobs=_pad(engine, 0.0, torch.float32),  # [N, L]
-        advantages=torch.tensor(advantages, dtype=torch.float32),  # [N]
+        advantages=advantage_tensor,  # [N], or [N, L] with per-turn credit
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),  # [N]
         policy_version=policy_version,
     )
+
+
+def turn_credit(
+    groups: list[RolloutGroup], advantages: Callable[[torch.Tensor], torch.Tensor]
+) -> list[list[list[float]]]:
+    """Per-token advantages [B][G][response tokens]: a model turn's tokens get the outcome advantage (the estimator on
+    the groups' 0/1 outcomes) plus the group-normalized advantage of that turn's step reward; tool tokens get 0
+    (they are never trained)."""
+    outcome_adv = advantages(torch.stack([g.outcomes for g in groups])).tolist()  # [B][G]
+    out = []
+    for group, outcome_row in zip(groups, outcome_adv):
+        steps = turn_advantages([list(t.step_rewards) or [None] * len(t.turn_spans) for t in group.trajectories])
+        rows = []
+        for trajectory, outcome, turn_steps in zip(group.trajectories, outcome_row, steps):
+            per_token = [0.0] * len(trajectory.response_ids)
+            for (start, end), step in zip(trajectory.turn_spans, turn_steps):
+                per_token[start:end] = [outcome + step] * (end - start)
+            rows.append(per_token)
+        out.append(rows)
+    return out
 
 
 def padding_share(batches: list[PolicyBatch]) -> float:
@@ -76,14 +107,22 @@ def build_round(
     policy_version: int,
     seed: int,
     advantages: Callable[[torch.Tensor], torch.Tensor] = group_advantages,
+    credit: str = "trajectory",
 ) -> Round:
-    """Advantages per group (`advantages`: rewards [B, G] -> [B, G], the configured estimator; Eq. 10 by default),
-    shuffle, split into `num_minibatches`, bucket into micro-batches."""
+    """Advantages per group (`advantages`: rewards [B, G] -> [B, G], the configured estimator; Eq. 10 by default; or
+    per token with `credit="turn"`), shuffle, split into `num_minibatches`, bucket into micro-batches."""
     if not groups:
         raise ValueError("build_round got no rollout groups")
-    rewards = torch.stack([g.rewards for g in groups])  # [B, G]
-    group_adv = advantages(rewards)  # [B, G]
-    flat = [(t, float(a)) for g, adv in zip(groups, group_adv) for t, a in zip(g.trajectories, adv.tolist())]
+    if credit == "turn":
+        flat = [
+            pair
+            for g, per_token in zip(groups, turn_credit(groups, advantages))
+            for pair in zip(g.trajectories, per_token)
+        ]
+    else:
+        rewards = torch.stack([g.rewards for g in groups])  # [B, G]
+        group_adv = advantages(rewards)  # [B, G]
+        flat = [(t, float(a)) for g, adv in zip(groups, group_adv) for t, a in zip(g.trajectories, adv.tolist())]
     if len(flat) % num_minibatches:
         raise ValueError(
             f"{len(flat)} trajectories cannot be split into algorithm.num_minibatches={num_minibatches} equal "

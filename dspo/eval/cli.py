@@ -175,10 +175,11 @@ def load_eval_sets(data_cfg: Any, limit: int | None) -> dict[str, list[QAItem]]:
     return sets
 
 
-def build_agent(rollout_cfg: Any, model_path: str, retriever: Any) -> Any:
-    """Engine (`rollout.engine`, a partial taking model_path) + a built retriever + `rollout.agent` → agent.
+def build_agent(rollout_cfg: Any, model_path: str, env: Any) -> Any:
+    """Engine (`rollout.engine`, a partial taking model_path) + a built environment (`env`: tools + reward) +
+    `rollout.agent` → agent.
 
-    The retriever is built first by the caller (a missing index fails in a second, not after the engine's start);
+    The environment is built first by the caller (a missing index fails in a second, not after the engine's start);
     the engine hides what breaks vLLM's kernel scan (`dspo.rollout.engine._hide_modules_breaking_vllm`)."""
     from hydra.utils import instantiate
 
@@ -188,7 +189,7 @@ def build_agent(rollout_cfg: Any, model_path: str, retriever: Any) -> Any:
     if isinstance(engine, functools.partial):
         engine = engine()
     agent_config = instantiate(rollout_cfg.agent)
-    return SearchAgent(engine, engine.tokenizer, retriever, agent_config)
+    return SearchAgent(engine, engine.tokenizer, env, agent_config)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -223,7 +224,7 @@ def adopt_run_record(cfg: Any, overrides: list[str]) -> list[str]:
             f"no dspo run record in {source}: a plain model, evaluated with conf/eval.yaml's agent (Qwen tool-call "
             "tags, 4 turns, top-3) and the retriever and data given here"
         ]
-    sections = ("rollout.agent", "rollout.engine", "retriever", "data", "eval.batch_size")
+    sections = ("rollout.agent", "rollout.engine", "retriever", "env", "data", "eval.batch_size")
     return adopt(cfg, record, overrides, source, sections)
 
 
@@ -285,10 +286,10 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
     check_settings(cfg)
     sets = load_eval_sets(cfg.data, cfg.eval.get("limit"))
     log.info("benchmarks: %s", {name: len(items) for name, items in sets.items()})
-    retriever = instantiate(cfg.retriever)
+    env = instantiate(cfg.env)  # tools (the search tool's retriever) + reward, before the model loads
     with tempfile.TemporaryDirectory(prefix="dspo-eval-") as scratch:
         model_path, step = resolve_model(cfg, Path(scratch))
-        agent = build_agent(cfg.rollout, model_path, retriever)
+        agent = build_agent(cfg.rollout, model_path, env)
         predictions = []
         for name, items in sets.items():
             predictions += predict(

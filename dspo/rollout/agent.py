@@ -1,7 +1,8 @@
-"""Multi-turn search agent: batched over every live trajectory of a round, turn by turn.
+"""Multi-turn tool-using agent: batched over every live trajectory of a round, turn by turn, in an `Environment`.
 
-One turn: generate (stop at the call's closing tag, `</answer>` or EOS) → parse → one batched retriever call for all
-valid queries of the turn → splice the observation in as the chat template renders a tool turn → repeat.
+One turn: generate (stop at a call's closing tag, `</answer>` or EOS) → parse the call (`dspo.rollout.parsing`) → one
+batched `run` per tool for all valid calls of the turn → splice each observation in as the chat template renders a
+tool turn → repeat. When every episode has ended, the environment's reward scores the whole batch of finished episodes.
 
 Token bookkeeping is exact by construction: model tokens are appended as the engine returned them (mask 1, engine
 logprobs), environment tokens are pre-tokenized wrappers + the observation tokenized alone (mask 0, logprob 0.0).
@@ -9,7 +10,9 @@ Nothing already in the sequence is ever re-tokenized.
 
 Departures from Search-R1's loop, on purpose: a malformed call gets an explanatory tool message instead of a canned
 "invalid action" string; a call in the last allowed turn ends the episode (counted as invalid, `call_after_last_turn`);
-when only one turn is left, the observation says so. The reward is computed from model-generated text only.
+when only one turn is left, the observation says so. The reward is computed from model-generated text only. A tool
+that fails on a call gives that trajectory an error message and is counted; above `env.max_tool_error_share` of a
+batch's calls the rollout fails naming the tool (`dspo.env.tools`).
 """
 
 from __future__ import annotations
@@ -18,21 +21,30 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dspo.rewards import extract_answer, subem_reward
+from dspo.env.environment import Environment
+from dspo.env.rewards import EpisodeRecord, TurnRecord
+from dspo.env.tools import CallContext, ToolResult, ToolUnavailableError
 from dspo.rollout import parsing
 from dspo.rollout.engine import RolloutEngine, SamplingConfig
 from dspo.rollout.prompts import ToolTurnTemplate, build_messages, render_prompt
-from dspo.search.base import Retriever
-from dspo.types import Generation, Passage, QAItem, RolloutGroup, Trajectory
+from dspo.types import Generation, QAItem, RolloutGroup, Trajectory
 
 ANSWER_CLOSE = "</answer>"
-_CALL_TAGS = {"qwen": ("<tool_call>", "</tool_call>"), "searchr1": ("<search>", "</search>")}
+TAG_FORMATS = ("qwen", "searchr1")
 LAST_TURN_NOTE = "\n(You have one turn left: give your final answer now.)"
+
+
+class ToolFailureError(RuntimeError):
+    """A tool failed on more than `env.max_tool_error_share` of a batch's calls: the round is not trained on them."""
 
 
 @dataclass
 class AgentConfig:
-    """Limits of one episode. `max_total_tokens` caps prompt + response (the trainer's sequence length)."""
+    """Limits of one episode. `max_total_tokens` caps prompt + response (the trainer's sequence length).
+
+    `topk`, `max_queries_per_call`, `max_query_chars` are the search tool's limits and `max_answer_words` the subEM
+    reward's guard: `conf/env/*.yaml` read them from here (so `rollout.agent.topk=...` keeps working), and an agent
+    given a bare retriever builds the default environment with them."""
 
     max_turns: int = 4
     max_new_tokens_per_turn: int = 256
@@ -68,13 +80,15 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     model_text: list[str] = field(default_factory=list)
-    turns: int = 0
-    search_calls: int = 0
-    invalid: Counter = field(default_factory=Counter)
+    turns: list[TurnRecord] = field(default_factory=list)
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # response positions of each model turn
+    tool_calls: Counter = field(default_factory=Counter)  # valid calls per tool
+    invalid: Counter = field(default_factory=Counter)  # (tool, kind) -> count
+    tool_errors: Counter = field(default_factory=Counter)  # tool -> count
     done: bool = False
     truncated: bool = False
     observation: str | None = None  # pending tool message for this turn
-    queries: list[str] = field(default_factory=list)  # pending valid queries for this turn
+    pending: parsing.ParsedCall | None = None  # a valid call, to run with the turn's batch
 
     @property
     def length(self) -> int:
@@ -86,34 +100,37 @@ class _Episode:
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
-def format_passages(queries: list[str], results: list[list[Passage]]) -> str:
-    """`Doc i (Title: t) text` lines; with several queries, one block per query headed by the query."""
-    blocks = []
-    for query, passages in zip(queries, results):
-        lines = [f"Doc {i} (Title: {p.title}) {p.text}" for i, p in enumerate(passages, start=1)]
-        body = "\n".join(lines) if lines else "No results."
-        blocks.append(body if len(queries) == 1 else f'Results for "{query}":\n{body}')
-    return "\n\n".join(blocks)
-
-
 class SearchAgent:
-    """Rolls out `group_size` trajectories per item against a retriever, all items at once."""
+    """Rolls out `group_size` trajectories per item in `env` (an `Environment`; a bare `Retriever` stands for the
+    default one: its search tool and the subEM reward, with `config`'s limits), all items at once."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, retriever: Retriever, config: AgentConfig) -> None:
-        if config.tag_format not in _CALL_TAGS:
-            raise ValueError(f"AgentConfig.tag_format={config.tag_format!r}: expected one of {sorted(_CALL_TAGS)}")
+    def __init__(self, engine: RolloutEngine, tokenizer, env, config: AgentConfig) -> None:
+        if config.tag_format not in TAG_FORMATS:
+            raise ValueError(f"AgentConfig.tag_format={config.tag_format!r}: expected one of {sorted(TAG_FORMATS)}")
         if config.max_turns < 1:
             raise ValueError(f"AgentConfig.max_turns={config.max_turns}: must be >= 1")
-        self.engine, self.tokenizer, self.retriever, self.config = engine, tokenizer, retriever, config
+        if not isinstance(env, Environment):
+            limits = ("topk", "max_queries_per_call", "max_query_chars", "max_answer_words")
+            env = Environment.search(env, **{key: getattr(config, key) for key in limits})
+        self.engine, self.tokenizer, self.env, self.config = engine, tokenizer, env, config
+        self.tools = env.tools
         self.tool_turn = ToolTurnTemplate.from_tokenizer(tokenizer, config.tag_format)
-        self.call_open, self.call_close = _CALL_TAGS[config.tag_format]
+        self.call_closes = parsing.call_closes(self.tools, config.tag_format)
         self.last_stats: dict[str, float] = {}
 
+    @property
+    def retriever(self):
+        """The default search tool's retriever (rollout statistics count its retries), None without one."""
+        return getattr(self.tools.get("search"), "retriever", None)
+
     def prompt_ids(self, item: QAItem) -> list[int]:
-        """Token ids of the first prompt for `item` (chat template + tool schema + generation prompt)."""
-        messages = build_messages(item.question, self.config.tag_format, self.config.system_prompt)
-        text = render_prompt(self.tokenizer, messages, self.config.tag_format)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of the first prompt for `item` (chat template + tool schemas + generation prompt)."""
+        cfg = self.config
+        messages = build_messages(item.question, cfg.tag_format, cfg.system_prompt, self.env.instruction)
+        schemas = [tool.schema() for tool in self.tools.values()]
+        return self.tokenizer.encode(
+            render_prompt(self.tokenizer, messages, cfg.tag_format, schemas), add_special_tokens=False
+        )
 
     def rollout(
         self,
@@ -138,11 +155,12 @@ class SearchAgent:
             if not live:
                 break
             self._generate_turn(live, turn, greedy, seed, timers)
-            self._search(live, turn, timers)
+            self._run_tools(live, episodes, turn, timers)
             for ep in live:
                 if ep.observation is not None:
                     self._append_observation(ep, turn)
-        trajectories = [self._finish(ep, policy_version) for ep in episodes]
+        self._check_tool_errors(episodes)
+        trajectories = self._finish(episodes, policy_version)
         self.last_stats = self._stats(trajectories, episodes, timers, time.perf_counter() - start)
         return [
             RolloutGroup(item=item, trajectories=trajectories[i * group_size : (i + 1) * group_size], prompt_index=i)
@@ -155,7 +173,7 @@ class SearchAgent:
             temperature=0.0 if greedy else cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens_per_turn,
-            stop=[self.call_close, ANSWER_CLOSE],
+            stop=[*self.call_closes, ANSWER_CLOSE],
             seed=None if seed is None else seed + 1_000_003 * turn,
         )
         tic = time.perf_counter()
@@ -170,70 +188,99 @@ class SearchAgent:
     def _take_turn(self, ep: _Episode, gen: Generation, turn: int) -> None:
         """Append the model's tokens (cut to the total length cap) and decide what the environment does next."""
         cfg = self.config
-        ep.observation, ep.queries = None, []
+        ep.observation, ep.pending = None, None
         room = cfg.max_total_tokens - ep.length
         ids, logprobs, text = gen.token_ids, gen.logprobs, gen.text
+        start = len(ep.response_ids)
         if len(ids) > room:  # the tokens kept were sampled from the same prefix; only the tail is dropped
             ids, logprobs = ids[: max(room, 0)], logprobs[: max(room, 0)]
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            ep.append(ids, 1, logprobs)
-            ep.model_text.append(text)
-            ep.turns += 1
+            self._record_turn(ep, ids, logprobs, text, start)
             ep.done = ep.truncated = True
             return
-        ep.append(ids, 1, logprobs)
-        ep.model_text.append(text)
-        ep.turns += 1
+        self._record_turn(ep, ids, logprobs, text, start)
+        close = self._closing_tag(gen, text)
         if gen.finish_reason == "length":
             ep.done = ep.truncated = True
-        elif gen.stop_reason == self.call_close or (gen.stop_reason is None and text.endswith(self.call_close)):
-            self._handle_call(ep, text, turn)
+        elif close is not None:
+            self._handle_call(ep, text, turn, close)
         else:  # </answer> or EOS: the episode is over
             ep.done = True
 
-    def _handle_call(self, ep: _Episode, text: str, turn: int) -> None:
-        cfg = self.config
+    def _record_turn(self, ep: _Episode, ids: list[int], logprobs: list[float], text: str, start: int) -> None:
+        ep.append(ids, 1, logprobs)
+        ep.model_text.append(text)
+        ep.turns.append(TurnRecord(text=text))
+        ep.turn_spans.append((start, len(ep.response_ids)))
+
+    def _closing_tag(self, gen: Generation, text: str) -> str | None:
+        """The call tag that ended the turn (engines report the stop string; a stop token leaves only the text)."""
+        if gen.stop_reason in self.call_closes:
+            return gen.stop_reason
+        if gen.stop_reason is None:
+            return next((close for close in self.call_closes if text.endswith(close)), None)
+        return None
+
+    def _handle_call(self, ep: _Episode, text: str, turn: int, close: str) -> None:
+        cfg, record = self.config, ep.turns[-1]
         if turn == cfg.max_turns - 1:
-            ep.invalid[parsing.CALL_AFTER_LAST_TURN] += 1
+            tool = close[2:-1] if cfg.tag_format == "searchr1" else parsing.NO_TOOL
+            ep.invalid[(tool, parsing.CALL_AFTER_LAST_TURN)] += 1
+            record.invalid = parsing.CALL_AFTER_LAST_TURN
             ep.done = ep.truncated = True
             return
-        if cfg.tag_format == "qwen":
-            call = parsing.parse_qwen_tool_call(text, cfg.max_queries_per_call, cfg.max_query_chars)
-        else:
-            call = parsing.parse_searchr1_query(text, cfg.max_query_chars)
+        call = parsing.parse_call(text, self.tools, cfg.tag_format, close)
         if call.ok:
-            ep.queries = call.queries
-            ep.search_calls += 1
+            ep.pending = call
+            ep.tool_calls[call.tool] += 1
+            record.call = (call.tool, call.arguments)
         else:
-            ep.invalid[call.error_kind] += 1
+            ep.invalid[(call.tool, call.error_kind)] += 1
+            record.invalid = call.error_kind
             ep.observation = call.error
 
-    def _search(self, live: list[_Episode], turn: int, timers: dict) -> None:
-        """One batched retriever call for every valid query of this turn; a failing retriever fails the round."""
-        pending = [ep for ep in live if ep.queries]
-        if not pending:
-            return
-        queries = [q for ep in pending for q in ep.queries]
-        tic = time.perf_counter()
+    def _run_tools(self, live: list[_Episode], episodes: list[_Episode], turn: int, timers: dict) -> None:
+        """One batched `run` per tool for every valid call of this turn."""
+        positions = {id(ep): i for i, ep in enumerate(episodes)}
+        for name, tool in self.tools.items():
+            pending = [ep for ep in live if ep.pending is not None and ep.pending.tool == name]
+            if not pending:
+                continue
+            contexts = [CallContext(ep.item, turn, positions[id(ep)]) for ep in pending]
+            tic = time.perf_counter()
+            results = self._run_batch(tool, [ep.pending.arguments for ep in pending], contexts, turn)
+            timers["search_s"] += time.perf_counter() - tic
+            for ep, result in zip(pending, results):
+                ep.observation, ep.turns[-1].result = result.text, result
+                if result.error is not None:
+                    ep.tool_errors[name] += 1
+
+    def _run_batch(self, tool, calls: list[dict], contexts: list[CallContext], turn: int) -> list[ToolResult]:
+        """`tool.run` with its failures turned into per-call tool errors (a backend that is down fails the round)."""
         try:
-            results = self.retriever.search(queries, self.config.topk)
-        except Exception as exc:
-            raise RuntimeError(
-                f"retriever {type(self.retriever).__name__} failed on turn {turn} for {len(queries)} queries "
-                f"(first: {queries[0]!r}): {exc}. Check that the index / retrieval service is up; the rollout round "
-                "is aborted rather than continued with empty results."
-            ) from exc
-        timers["search_s"] += time.perf_counter() - tic
-        if len(results) != len(queries):
-            raise RuntimeError(
-                f"retriever {type(self.retriever).__name__} returned {len(results)} result lists for {len(queries)} "
-                "queries; a Retriever must return one list per query"
-            )
-        offset = 0
-        for ep in pending:
-            n = len(ep.queries)
-            ep.observation = format_passages(ep.queries, results[offset : offset + n])
-            offset += n
+            results = run_with_timeout(tool, calls, contexts)
+            if len(results) != len(calls):
+                raise RuntimeError(f"{type(tool).__name__}.run returned {len(results)} results for {len(calls)} calls")
+        except ToolUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure inside a tool is a tool error, counted and bounded
+            reason = f"{type(exc).__name__}: {exc}"
+            message = f"Error: the {tool.name} tool failed on this call ({reason[:300]}). Try again or answer."
+            return [ToolResult(text=message, error=reason) for _ in calls]
+        return results
+
+    def _check_tool_errors(self, episodes: list[_Episode]) -> None:
+        calls = sum((ep.tool_calls for ep in episodes), Counter())
+        errors = sum((ep.tool_errors for ep in episodes), Counter())
+        for name, failed in errors.items():
+            share = failed / max(calls[name], 1)
+            if share > self.env.max_tool_error_share:
+                first = next(t.result.error for ep in episodes for t in ep.turns if t.result and t.result.error)
+                raise ToolFailureError(
+                    f"tool {name!r} failed on {failed} of {calls[name]} calls in this batch (share {share:.2f} > "
+                    f"env.max_tool_error_share={self.env.max_tool_error_share}); first failure: {first}. Check the "
+                    "tool's backend (index, service, model): the round is aborted rather than trained on error messages"
+                )
 
     def _append_observation(self, ep: _Episode, turn: int) -> None:
         """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap."""
@@ -247,23 +294,47 @@ class SearchAgent:
         ep.append(wrapped, 0)
         ep.observation = None
 
-    def _finish(self, ep: _Episode, policy_version: int) -> Trajectory:
-        if not ep.done:  # ran out of turns without an answer
-            ep.truncated = True
-        answer = extract_answer("".join(ep.model_text))
+    def _finish(self, episodes: list[_Episode], policy_version: int) -> list[Trajectory]:
+        """Score every finished episode in one batch (the environment's reward) and build the trajectories."""
+        reward = self.env.reward
+        records = []
+        for ep in episodes:
+            if not ep.done:  # ran out of turns without an answer
+                ep.truncated = True
+            answer = reward.extract_answer("".join(ep.model_text))
+            records.append(EpisodeRecord(item=ep.item, turns=ep.turns, answer=answer, truncated=ep.truncated))
+        results = reward.score(records)
+        if len(results) != len(records):
+            raise RuntimeError(f"{type(reward).__name__}.score returned {len(results)} results for {len(records)}")
+        return [
+            self._trajectory(ep, record, result, policy_version)
+            for ep, record, result in zip(episodes, records, results)
+        ]
+
+    def _trajectory(self, ep: _Episode, record: EpisodeRecord, result, policy_version: int) -> Trajectory:
+        steps = list(result.step_rewards)
+        if steps and len(steps) != len(ep.turns):
+            raise RuntimeError(
+                f"reward {type(self.env.reward).__name__}: {len(steps)} step rewards for {len(ep.turns)} turns"
+            )
         return Trajectory(
             prompt_ids=ep.prompt_ids,
             response_ids=ep.response_ids,
             response_mask=ep.mask,
             engine_logprobs=ep.logprobs,
-            reward=subem_reward(answer, ep.item.golden_answers, self.config.max_answer_words),
-            answer=answer,
+            reward=result.total,
+            outcome=result.outcome,
+            step_rewards=steps,
+            turn_spans=list(ep.turn_spans),
+            reward_components=dict(result.components),
+            answer=record.answer,
             question=ep.item.question,
             golden_answers=list(ep.item.golden_answers),
             response_text=self.tokenizer.decode(ep.response_ids, skip_special_tokens=False),
-            num_turns=ep.turns,
-            num_search_calls=ep.search_calls,
+            num_turns=len(ep.turns),
+            num_search_calls=sum(ep.tool_calls.values()),
             num_invalid_calls=sum(ep.invalid.values()),
+            tool_calls=dict(ep.tool_calls),
             truncated=ep.truncated,
             policy_version=policy_version,
         )
@@ -273,7 +344,7 @@ class SearchAgent:
         invalid = sum((ep.invalid for ep in episodes), Counter())
         stats = {
             "generation_s": timers["generation_s"],
-            "search_s": timers["search_s"],
+            "search_s": timers["search_s"],  # time inside tools (the search tool's retriever, by default)
             "other_s": max(total - timers["generation_s"] - timers["search_s"], 0.0),
             "generated_tokens": float(timers["generated_tokens"]),
             "tokens_per_s": timers["generated_tokens"] / max(timers["generation_s"], 1e-9),
@@ -284,5 +355,29 @@ class SearchAgent:
             "truncated_frac": sum(t.truncated for t in trajectories) / n,
             "reward_mean": sum(t.reward for t in trajectories) / n,
         }
-        stats.update({f"invalid/{kind}": float(count) for kind, count in invalid.items()})
+        stats.update({f"invalid/{tool}/{kind}": float(count) for (tool, kind), count in invalid.items()})
+        stats.update({f"calls/{name}": sum(t.tool_calls.get(name, 0) for t in trajectories) / n for name in self.tools})
+        errors = sum((ep.tool_errors for ep in episodes), Counter())
+        stats.update({f"tool_errors/{name}": float(count) for name, count in errors.items()})
+        components = sorted({key for t in trajectories for key in t.reward_components})
+        stats.update(
+            {f"reward/{k}": sum(t.reward_components.get(k, 0.0) for t in trajectories) / n for k in components}
+        )
         return stats
+
+
+def run_with_timeout(tool, calls: list[dict], contexts: list[CallContext]) -> list[ToolResult]:
+    """`tool.run(calls, contexts)`, bounded by `tool.timeout_s` when set (the late batch keeps running in its thread,
+    which cannot be stopped from outside; its results are dropped)."""
+    timeout = getattr(tool, "timeout_s", None)
+    if timeout is None:
+        return tool.run(calls, contexts)
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dspo-tool-{tool.name}")
+    try:
+        return pool.submit(tool.run, calls, contexts).result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"the {tool.name} tool took longer than its timeout_s={timeout}") from None
+    finally:
+        pool.shutdown(wait=False)

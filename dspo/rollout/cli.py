@@ -22,6 +22,10 @@ RECORD_FIELDS = (
     "golden_answers",
     "answer",
     "reward",
+    "outcome",
+    "step_rewards",
+    "reward_components",
+    "tool_calls",
     "num_turns",
     "num_search_calls",
     "num_invalid_calls",
@@ -71,7 +75,7 @@ def adopt_run_record(cfg: DictConfig, overrides: list[str]) -> list[str]:
     record = read_model_record(cfg.model.path)
     if record is None:
         return [f"no dspo run record in {source}: a plain model, rolled out with conf/rollout_cli.yaml's settings"]
-    lines = adopt(cfg, record, overrides, source, ("rollout.agent", "rollout.engine", "retriever"))
+    lines = adopt(cfg, record, overrides, source, ("rollout.agent", "rollout.engine", "retriever", "env"))
     train_files = (record["config"].get("data") or {}).get("train_files") or []
     if OmegaConf.is_missing(cfg.data, "path") and train_files:
         with open_dict(cfg):
@@ -97,9 +101,9 @@ def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) ->
     items = load_qa(str(data_path), benchmark=cfg.data.benchmark, limit=cfg.n)
     tokenizer_path = cfg.model.tokenizer or model_path
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-    retriever = instantiate(cfg.retriever)
+    env = instantiate(cfg.env)  # tools + reward (conf/env/), before the engine starts
     engine = instantiate(cfg.rollout.engine)(model_path=str(model_path))
-    agent = SearchAgent(engine, tokenizer, retriever, instantiate(cfg.rollout.agent))
+    agent = SearchAgent(engine, tokenizer, env, instantiate(cfg.rollout.agent))
     groups = agent.rollout(
         items, group_size=cfg.group_size, policy_version=cfg.policy_version, greedy=cfg.greedy, seed=cfg.seed
     )

@@ -26,6 +26,33 @@ class SamplingExhausted(RuntimeError):
     """The filter kept too few groups within `max_sampling_rounds` engine calls."""
 
 
+class ToolAndRewardStats:
+    """The environment's per-tool and per-reward-component statistics of a round, over its engine calls: counts
+    (`rollout/invalid/<tool>/<kind>`, `rollout/tool_errors/<tool>`) add up, per-trajectory means
+    (`rollout/calls/<tool>`, `reward/<component>`) are weighted by each call's trajectories."""
+
+    SUMS = ("invalid/", "tool_errors/")
+    MEANS = ("calls/", "reward/")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.trajectories = 0
+
+    def add(self, stats: dict[str, float], trajectories: int) -> None:
+        self.trajectories += trajectories
+        for key, value in stats.items():
+            if key.startswith(self.SUMS):
+                self.sums[key] = self.sums.get(key, 0.0) + value
+            elif key.startswith(self.MEANS):
+                self.weighted[key] = self.weighted.get(key, 0.0) + value * trajectories
+
+    def result(self) -> dict[str, float]:
+        means = {key: value / max(self.trajectories, 1) for key, value in self.weighted.items()}
+        named = {**self.sums, **means}
+        return {(key if key.startswith("reward/") else f"rollout/{key}"): value for key, value in named.items()}
+
+
 class RolloutEnvironment:
     def __init__(self, agent, spec: AlgorithmConfig, rank: int = 0, world_size: int = 1) -> None:
         spec.check_world_size(world_size)
@@ -46,6 +73,7 @@ class RolloutEnvironment:
         kept: list[RolloutGroup] = []
         sampled = passed = calls = tokens = kept_tokens = search_calls = invalid = trajectories = 0
         reward_sum = 0.0
+        details = ToolAndRewardStats()
         retriever = getattr(self.agent, "retriever", None)
         retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
         start = time.perf_counter()
@@ -67,8 +95,8 @@ class RolloutEnvironment:
             )
             for group, (index, _) in zip(groups, drawn):
                 group.prompt_index = index
-            rewards = torch.stack([g.rewards for g in groups])  # [n, G]
-            keep = self.keep_filter(rewards)
+            rewards = torch.stack([g.rewards for g in groups])  # [n, G] what the advantages use
+            keep = self.keep_filter(torch.stack([g.outcomes for g in groups]))  # Eq. 9 tests the 0/1 outcomes
             for group, keep_it in zip(groups, keep.tolist()):
                 n_tok = sum(t.num_generated_tokens for t in group.trajectories)
                 tokens += n_tok
@@ -78,6 +106,7 @@ class RolloutEnvironment:
             stats = self.agent.last_stats
             search_calls += stats.get("search_calls_mean", 0.0) * len(groups) * self.spec.group_size
             invalid += stats.get("invalid_calls", 0.0)
+            details.add(stats, len(groups) * self.spec.group_size)
             trajectories += len(groups) * self.spec.group_size
             reward_sum += float(rewards.sum())
             sampled += len(groups)
@@ -98,4 +127,5 @@ class RolloutEnvironment:
             "rollout/generated_tokens": float(tokens),  # every sampled token, filtered-out groups included
             "rollout/time_s": elapsed,
             "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
+            **details.result(),
         }

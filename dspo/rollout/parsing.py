@@ -1,49 +1,50 @@
-"""Parse the model's tool calls. Every malformed call becomes a `ToolCall` with an `error` (later shown to the model as
-the tool's answer), never an exception: one bad generation must not kill a long run.
+"""Parse the model's tool calls. Every malformed call becomes a `ParsedCall` with an `error` (later shown to the model
+as the tool's answer), never an exception: one bad generation must not kill a long run.
 
-Two formats, one loop (`AgentConfig.tag_format`):
-- `qwen` (Qwen2.5 function calling):
-  `<tool_call>{"name": "search", "arguments": {"query_list": ["q1", ...]}}</tool_call>`;
-  a plain `"query": "q"` string is accepted too (Search-R1's retriever tool takes either).
-- `searchr1`: `<search> q </search>`, one query per call.
+Two formats, one loop (`AgentConfig.tag_format`), any tools (`dspo.env.tools`):
+- `qwen` (Qwen2.5 function calling): `<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>`; the name picks
+  the tool, whose `prepare` checks the arguments (the search tool takes `query_list`, or a plain `query` string as
+  Search-R1's retriever tool does).
+- `searchr1`: `<tool> value </tool>`, one tag per tool that has a `tag_argument` (the search tool's:
+  `<search> q </search>`).
+
+Each error has a kind, counted per tool (`rollout/invalid/<tool>/<kind>`; `call` when no tool could be told).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-TOOL_NAME = "search"
+from dspo.env.search_tool import EMPTY_QUERY, QUERY_TOO_LONG, TOO_MANY_QUERIES  # noqa: F401  the search tool's kinds
+from dspo.env.tools import BAD_ARGUMENTS, InvalidCall  # noqa: F401  BAD_ARGUMENTS: a kind, counted like the others
 
-# Error kinds, each counted separately in the rollout stats (`invalid/<kind>`).
+# Error kinds, each counted separately in the rollout stats (the search tool adds its own: empty_query, ...).
 MISSING_OPEN_TAG = "missing_open_tag"
 INVALID_JSON = "invalid_json"
 NOT_AN_OBJECT = "not_an_object"
 UNKNOWN_TOOL = "unknown_tool"
-BAD_ARGUMENTS = "bad_arguments"
-EMPTY_QUERY = "empty_query"
-TOO_MANY_QUERIES = "too_many_queries"
-QUERY_TOO_LONG = "query_too_long"
 CALL_AFTER_LAST_TURN = "call_after_last_turn"
+NO_TOOL = "call"  # the label of errors no tool can be told for (invalid JSON, an unknown name)
 
-_USAGE = '{"name": "search", "arguments": {"query_list": ["first query", "second query"]}}'
+QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
-class ToolCall:
-    """A parsed call: `queries` when valid, else `error_kind` + a human-readable `error` for the model."""
+class ParsedCall:
+    """A parsed call: the tool it names (`NO_TOOL` when none could be told) and its prepared `arguments` when valid,
+    else `error_kind` + a human-readable `error` for the model."""
 
-    queries: list[str] = field(default_factory=list)
+    tool: str = NO_TOOL
+    arguments: dict = field(default_factory=dict)
     error_kind: str | None = None
     error: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.error_kind is None
-
-
-def _fail(kind: str, message: str) -> ToolCall:
-    return ToolCall(error_kind=kind, error=message)
 
 
 def _last_block(text: str, open_tag: str, close_tag: str) -> str | None:
@@ -57,72 +58,56 @@ def _last_block(text: str, open_tag: str, close_tag: str) -> str | None:
     return text[start + len(open_tag) : end]
 
 
-def validate_queries(queries: list[str], max_queries: int, max_query_chars: int) -> ToolCall:
-    """Strip queries and check count and length limits."""
-    cleaned = [q.strip() for q in queries]
-    if not cleaned or any(not q for q in cleaned):
-        return _fail(EMPTY_QUERY, "Error: the query list is empty or contains an empty query. Give at least one query.")
-    if len(cleaned) > max_queries:
-        return _fail(
-            TOO_MANY_QUERIES,
-            f"Error: {len(cleaned)} queries in one call; at most {max_queries} are allowed. Split or shorten the list.",
-        )
-    too_long = [q for q in cleaned if len(q) > max_query_chars]
-    if too_long:
-        return _fail(
-            QUERY_TOO_LONG,
-            f"Error: a query has {len(too_long[0])} characters; at most {max_query_chars} are allowed. Use keywords.",
-        )
-    return ToolCall(queries=cleaned)
+def call_closes(tools: Mapping[str, Any], tag_format: str) -> list[str]:
+    """The stop strings that end a turn with a call: `</tool_call>`, or each tag tool's closing tag."""
+    if not tools:
+        return []
+    if tag_format == "qwen":
+        return [QWEN_CLOSE]
+    return [f"</{name}>" for name, tool in tools.items() if tool.tag_argument]
 
 
-def _queries_from_arguments(arguments: object) -> list[str] | None:
-    """`query_list` (list of strings) or `query` (string or list of strings); None if neither is usable."""
-    if isinstance(arguments, str):  # some models emit arguments as a JSON-encoded string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    value = arguments.get("query_list", arguments.get("query"))
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(q, str) for q in value):
-        return list(value)
-    return None
+def _fail(tool: str, kind: str, message: str) -> ParsedCall:
+    return ParsedCall(tool=tool, error_kind=kind, error=message)
 
 
-def parse_qwen_tool_call(
-    text: str, max_queries: int, max_query_chars: int, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"
-) -> ToolCall:
-    """Parse the last `<tool_call>…</tool_call>` block of one model turn (the turn stopped at `close_tag`)."""
-    body = _last_block(text, open_tag, close_tag)
+def _prepared(tool: Any, arguments: Any) -> ParsedCall:
+    try:
+        return ParsedCall(tool=tool.name, arguments=tool.prepare(arguments))
+    except InvalidCall as invalid:
+        return _fail(tool.name, invalid.kind, invalid.message)
+
+
+def parse_call(text: str, tools: Mapping[str, Any], tag_format: str, close: str) -> ParsedCall:
+    """Parse the call that ends `text` (a turn that stopped at `close`, one of `call_closes`)."""
+    if tag_format == "qwen":
+        return _parse_qwen(text, tools)
+    name = close[2:-1]
+    tool, open_tag = tools[name], f"<{name}>"
+    body = _last_block(text, open_tag, close)
     if body is None:
-        return _fail(MISSING_OPEN_TAG, f"Error: found {close_tag} without {open_tag}. Call the tool as {_USAGE}.")
+        return _fail(
+            name, MISSING_OPEN_TAG, f"Error: found {close} without {open_tag}. {tool.tag_hint(open_tag, close)}"
+        )
+    return _prepared(tool, {tool.tag_argument: body})
+
+
+def _parse_qwen(text: str, tools: Mapping[str, Any]) -> ParsedCall:
+    """The last `<tool_call>…</tool_call>` block: JSON object, a known tool name, arguments the tool accepts."""
+    names = list(tools)
+    usage = " or ".join(tool.usage() for tool in tools.values())
+    how = f"Call the tool as {usage}." if len(names) == 1 else f"Call a tool as {usage}."
+    body = _last_block(text, QWEN_OPEN, QWEN_CLOSE)
+    if body is None:
+        return _fail(NO_TOOL, MISSING_OPEN_TAG, f"Error: found {QWEN_CLOSE} without {QWEN_OPEN}. {how}")
     try:
         call = json.loads(body.strip())
     except json.JSONDecodeError as exc:
-        return _fail(INVALID_JSON, f"Error: the tool call is not valid JSON ({exc.msg}). Call the tool as {_USAGE}.")
+        return _fail(NO_TOOL, INVALID_JSON, f"Error: the tool call is not valid JSON ({exc.msg}). {how}")
     if not isinstance(call, dict):
-        return _fail(NOT_AN_OBJECT, f"Error: the tool call must be a JSON object. Call the tool as {_USAGE}.")
+        return _fail(NO_TOOL, NOT_AN_OBJECT, f"Error: the tool call must be a JSON object. {how}")
     name = call.get("name")
-    if name != TOOL_NAME:
-        return _fail(UNKNOWN_TOOL, f"Error: unknown tool {name!r}; the only tool is {TOOL_NAME!r}.")
-    queries = _queries_from_arguments(call.get("arguments"))
-    if queries is None:
-        return _fail(
-            BAD_ARGUMENTS, f"Error: the arguments must hold a list of strings under 'query_list'. Use {_USAGE}."
-        )
-    return validate_queries(queries, max_queries, max_query_chars)
-
-
-def parse_searchr1_query(
-    text: str, max_query_chars: int, open_tag: str = "<search>", close_tag: str = "</search>"
-) -> ToolCall:
-    """Parse the last `<search> q </search>` block of one model turn (one query per call)."""
-    body = _last_block(text, open_tag, close_tag)
-    if body is None:
-        message = f"Error: found {close_tag} without {open_tag}. Search with {open_tag} query {close_tag}."
-        return _fail(MISSING_OPEN_TAG, message)
-    return validate_queries([body], max_queries=1, max_query_chars=max_query_chars)
+    if name not in tools:
+        known = f"the only tool is {names[0]!r}" if len(names) == 1 else "the tools are " + ", ".join(map(repr, names))
+        return _fail(NO_TOOL, UNKNOWN_TOOL, f"Error: unknown tool {name!r}; {known}.")
+    return _prepared(tools[name], call.get("arguments"))

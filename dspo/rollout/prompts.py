@@ -14,24 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SEARCH_TOOL_SCHEMA: dict = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Search Wikipedia. Returns the top passages for each query, best first.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query_list": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "description": "One or more short keyword queries.",
-                }
-            },
-            "required": ["query_list"],
-        },
-    },
-}
+from dspo.env.search_tool import SEARCH_TOOL_SCHEMA  # the default tool's schema, defined with the tool
 
 QWEN_INSTRUCTION = (
     "Answer the question below. Think step by step inside <think> </think>. Whenever you are missing a fact, call the "
@@ -51,20 +34,24 @@ _ASSISTANT_SENTINEL = "\u2983DSPO-ASSISTANT\u2984"
 _TOOL_SENTINEL = "\u2983DSPO-TOOL\u2984"
 
 
-def build_messages(question: str, tag_format: str, system_prompt: str | None = None) -> list[dict]:
-    """Chat messages of the first turn: optional system prompt, then the instruction with the question."""
+def build_messages(
+    question: str, tag_format: str, system_prompt: str | None = None, instruction: str | None = None
+) -> list[dict]:
+    """Chat messages of the first turn: optional system prompt, then the instruction with the question (`instruction`
+    overrides dspo's default for the tag format, which is written for one `search` tool)."""
     if tag_format not in ("qwen", "searchr1"):
         raise ValueError(f"AgentConfig.tag_format={tag_format!r}: expected 'qwen' or 'searchr1'")
-    template = QWEN_INSTRUCTION if tag_format == "qwen" else SEARCHR1_INSTRUCTION
+    template = instruction or (QWEN_INSTRUCTION if tag_format == "qwen" else SEARCHR1_INSTRUCTION)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": template.format(question=question.strip())})
     return messages
 
 
-def render_prompt(tokenizer, messages: list[dict], tag_format: str) -> str:
-    """The chat-template text of the first prompt, ending with the assistant header (tools only in `qwen` format)."""
-    tools = [SEARCH_TOOL_SCHEMA] if tag_format == "qwen" else None
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+def render_prompt(tokenizer, messages: list[dict], tag_format: str, tools: list[dict] | None = None) -> str:
+    """The chat-template text of the first prompt, ending with the assistant header. In `qwen` format the template
+    renders the tools' schemas (default: the search tool's); Search-R1's prompt describes its tags in words."""
+    schemas = (tools if tools is not None else [SEARCH_TOOL_SCHEMA]) if tag_format == "qwen" else None
+    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import httpx
 
+from dspo.env.tools import ToolUnavailableError
 from dspo.search.corpus import split_contents
 from dspo.types import Passage
 
@@ -37,8 +38,9 @@ def backoff_sleep(
     return min(uniform(ceiling / 2, ceiling), remaining_s)
 
 
-class RetrieverUnavailableError(RuntimeError):
-    """The retrieval service could not be reached (or kept failing) after all retries."""
+class RetrieverUnavailableError(ToolUnavailableError):
+    """The retrieval service could not be reached (or kept failing) after all retries: the round fails (a tool that is
+    down, not a tool error to count and go on with; dspo.env.tools)."""
 
 
 class RetrieverRequestError(ValueError):

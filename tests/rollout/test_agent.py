@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dspo.rollout import parsing
-from dspo.rollout.agent import AgentConfig, SearchAgent
+from dspo.rollout.agent import AgentConfig, SearchAgent, ToolFailureError
 from dspo.rollout.prompts import SEARCH_TOOL_SCHEMA, build_messages
 from dspo.rollout.scripted import ScriptedEngine
 from dspo.types import QAItem
@@ -118,6 +118,9 @@ MALFORMED = {
 }
 
 
+SEARCH_TOOL_KINDS = {parsing.BAD_ARGUMENTS, parsing.EMPTY_QUERY, parsing.TOO_MANY_QUERIES, parsing.QUERY_TOO_LONG}
+
+
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
 def test_malformed_call_becomes_observation_and_episode_continues(qwen_tokenizer, retriever, kind):
     agent = make_agent(qwen_tokenizer, retriever, [[MALFORMED[kind], ANSWER]])
@@ -126,7 +129,8 @@ def test_malformed_call_becomes_observation_and_episode_continues(qwen_tokenizer
     (tool_turn,) = env_turns(qwen_tokenizer, traj)
     assert "<tool_response>\nError: " in tool_turn
     assert (traj.num_invalid_calls, traj.num_search_calls, traj.reward) == (1, 0, 1.0)
-    assert agent.last_stats[f"invalid/{kind}"] == 1.0 and agent.last_stats["invalid_calls"] == 1.0
+    tool = "search" if kind in SEARCH_TOOL_KINDS else parsing.NO_TOOL  # counted per tool once one can be told
+    assert agent.last_stats[f"invalid/{tool}/{kind}"] == 1.0 and agent.last_stats["invalid_calls"] == 1.0
     assert retriever.calls == []
 
 
@@ -134,7 +138,7 @@ def test_call_in_last_turn_ends_episode(qwen_tokenizer, retriever):
     agent = make_agent(qwen_tokenizer, retriever, [[call(["a"]), call(["b"])]], max_turns=2)
     traj = agent.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories[0]
     assert (traj.num_turns, traj.num_search_calls, traj.num_invalid_calls, traj.truncated) == (2, 1, 1, True)
-    assert agent.last_stats[f"invalid/{parsing.CALL_AFTER_LAST_TURN}"] == 1.0
+    assert agent.last_stats[f"invalid/{parsing.NO_TOOL}/{parsing.CALL_AFTER_LAST_TURN}"] == 1.0
     assert "one turn left" in env_turns(qwen_tokenizer, traj)[0]
     assert traj.response_mask[-1] == 1 and traj.reward == 0.0 and traj.answer is None
 
@@ -146,8 +150,10 @@ def test_plain_query_string_accepted(qwen_tokenizer, retriever):
 
 
 def test_failing_retriever_fails_round_clearly(qwen_tokenizer, failing_retriever):
+    """Every call failing inside the tool is above env.max_tool_error_share: the round fails naming the tool."""
     agent = make_agent(qwen_tokenizer, failing_retriever, [[call(["x"]), ANSWER]])
-    with pytest.raises(RuntimeError, match=r"retriever FailingRetriever failed on turn 0 .*unreachable"):
+    message = r"tool 'search' failed on 1 of 1 calls .*env.max_tool_error_share=0.05.*ConnectionError: .*unreachable"
+    with pytest.raises(ToolFailureError, match=message):
         agent.rollout([PARIS], group_size=1, policy_version=0)
 
 

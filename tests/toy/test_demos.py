@@ -6,12 +6,21 @@ import random
 
 import pytest
 
+from dspo.env import SearchTool
 from dspo.rewards import extract_answer, subem_reward
-from dspo.rollout.parsing import parse_qwen_tool_call
+from dspo.rollout.parsing import QWEN_CLOSE, parse_call
 from dspo.search.bm25 import BM25Index
 from dspo.toy.demos import CORRECT, IMPERFECT_KINDS, ScriptedPolicy, choose_kind, evidence, make_script
 from dspo.toy.world import ToyWorldConfig, generate_world
 from dspo.types import Passage, QAItem
+
+SEARCH = {"search": SearchTool(retriever=None, max_query_chars=200)}
+
+
+def parse_qwen_tool_call(text: str):
+    """The agent's parser, as the agent calls it for a turn that stopped at </tool_call>."""
+    return parse_call(text, SEARCH, "qwen", QWEN_CLOSE)
+
 
 CFG = ToyWorldConfig(seed=1, num_people=120, num_companies=60, num_rivers=12, num_distractors=40)
 CFG.num_train, CFG.num_val, CFG.num_test, CFG.num_demo = 100, 40, 40, 80
@@ -39,11 +48,11 @@ def _play(
         turns.append(text)
         if "<answer>" in text:
             return turns, extract_answer(text)
-        call = parse_qwen_tool_call(text, max_queries=3, max_query_chars=200)
+        call = parse_qwen_tool_call(text)
         if not call.ok:
             observations.append(call.error)
             continue
-        hits = index.search(call.queries, 3)[0]
+        hits = index.search(call.arguments["query_list"], 3)[0]
         observations.append("\n".join(f"Doc {i + 1} (Title: {p.title}) {p.text}" for i, p in enumerate(hits)))
     return turns, None
 
@@ -57,7 +66,7 @@ def test_correct_policy_answers_every_question(setup) -> None:
         assert len(turns) == item.metadata["hops"] + 1  # one search per hop, then the answer
         for t in turns[:-1]:
             assert t.startswith("<think>") and t.endswith("</tool_call>")
-            assert parse_qwen_tool_call(t, 3, 200).ok
+            assert parse_qwen_tool_call(t).ok
 
 
 def _thought(turn: str) -> str:
@@ -128,7 +137,7 @@ def test_imperfect_kinds_fail_and_stay_parseable(setup, kind) -> None:
         assert answer is not None, turns
         failures += subem_reward(answer, item.golden_answers) == 0.0
         if kind == "malformed":
-            assert not parse_qwen_tool_call(turns[0], 3, 200).ok
+            assert not parse_qwen_tool_call(turns[0]).ok
     assert failures >= 55
 
 

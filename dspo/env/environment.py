@@ -1,0 +1,73 @@
+"""`Environment`: the tools an agent can call and the reward it is paid, selected by the config group `env`.
+
+`env=search` (the default) is today's setup: one search tool over the `retriever` group + the subEM reward. The agent
+loop (`dspo.rollout.agent.SearchAgent`) is the framework; an environment is the plug-in, built by Hydra from
+`_target_`s, and used by training, `dspo-eval`, `dspo-rollout`, the toy warm start and the benchmarks alike
+(`build_agent`). docs/extending.md shows a new tool and a new reward in a few lines each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dspo.env.rewards import Reward, SubEMReward
+from dspo.env.search_tool import SearchTool
+from dspo.env.tools import Tool
+
+
+class Environment:
+    """Args:
+    tools: {name: tool}; each key must be its tool's `name` (the name the model calls).
+    reward: a `dspo.env.rewards.Reward`.
+    max_tool_error_share: above this share of a round's calls failing inside a tool (exceptions, timeouts), the round
+        fails naming the tool.
+    instruction: the first user message, with `{question}`; None = dspo's default for the agent's tag format
+        (written for one `search` tool: give your own when the tools differ).
+    """
+
+    def __init__(
+        self,
+        tools: Mapping[str, Tool],
+        reward: Reward,
+        max_tool_error_share: float = 0.05,
+        instruction: str | None = None,
+    ) -> None:
+        self.tools = dict(tools)
+        for key, tool in self.tools.items():
+            if getattr(tool, "name", None) != key:
+                raise ValueError(
+                    f"env.tools.{key}: the tool is named {getattr(tool, 'name', None)!r}; the key is the name the "
+                    f"model calls, so they must agree (set env.tools.{key}.name={key} or rename the key)"
+                )
+        if not 0 <= max_tool_error_share <= 1:
+            raise ValueError(f"env.max_tool_error_share must be within [0, 1], got {max_tool_error_share}")
+        if instruction is not None and "{question}" not in instruction:
+            raise ValueError("env.instruction must contain {question}, where the question goes")
+        self.reward, self.max_tool_error_share, self.instruction = reward, max_tool_error_share, instruction
+
+    @property
+    def credit(self) -> str:
+        return getattr(self.reward, "credit", "trajectory")
+
+    def on_progress(self, step: int, total_steps: int | None) -> None:
+        """Tell every tool where training is (curricula); the trainer calls it before each round."""
+        for tool in self.tools.values():
+            tool.on_progress(step, total_steps)
+
+    @classmethod
+    def search(cls, retriever: Any, **search_limits: Any) -> Environment:
+        """The default environment over `retriever`: one search tool (`topk`, `max_queries_per_call`,
+        `max_query_chars`) and the subEM reward (`max_answer_words`)."""
+        max_answer_words = search_limits.pop("max_answer_words", None)
+        return cls({"search": SearchTool(retriever, **search_limits)}, SubEMReward(max_answer_words))
+
+
+def check_credit_fits(env: Environment, objective: Any) -> None:
+    """`credit: turn` gives each token its turn's advantage: only objectives that weigh tokens one by one take it."""
+    if env.credit == "turn" and not getattr(objective, "token_advantages", False):
+        raise ValueError(
+            f"env.reward.credit=turn credits each turn's tokens with their own advantage, but objective "
+            f"'{objective.name}' takes one advantage per sequence; use env.reward.credit=trajectory (the trajectory's "
+            "total reward), or a token-level objective (algorithm=dapo or algorithm=grpo)"
+        )

@@ -1,0 +1,131 @@
+"""Tools: what the agent can call. A tool has a name, a description, a JSON schema of its arguments (rendered into the
+Qwen2.5 tool-call prompt, and into Search-R1's tag format where the tool has a `tag_argument`), and runs a *batch* of
+calls at once: one per live trajectory that called it in a turn, so a turn of 200 trajectories is one retriever (or
+simulator) call per tool, not 200.
+
+Two kinds of fault, told apart (docs/extending.md, "a new tool"):
+- the model's: an unknown tool, arguments that do not fit the schema or the tool's limits. `prepare` raises
+  `InvalidCall(kind, message)`; the message goes back to the model as the tool's answer, the kind is counted
+  (`rollout/invalid/<tool>/<kind>`), and the episode goes on.
+- the tool's: `run` raises, passes its `timeout_s`, or returns a result with `error` set. That trajectory gets a tool
+  message and a tool error is counted (`rollout/tool_errors/<tool>`); above `env.max_tool_error_share` of a round's
+  calls the round fails naming the tool (training on error messages would corrupt the signal silently). A backend
+  that is down after its own retries raises `ToolUnavailableError` (the retrieval client's `RetrieverUnavailableError`
+  is one): the round fails at once, as before tools were plug-ins.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dspo.types import Passage
+
+BAD_ARGUMENTS = "bad_arguments"  # the error kind of arguments that do not fit a tool's schema
+JSON_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
+
+
+class ToolUnavailableError(RuntimeError):
+    """A tool's backend is down after the tool's own retries: the round fails (not counted as a tool error)."""
+
+
+class InvalidCall(ValueError):
+    """The model's call does not fit the tool (`kind` is counted, `message` is shown to the model)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+@dataclass
+class ToolResult:
+    """A tool's answer to one call: the text shown to the model, the passages it retrieved (ids and titles for
+    rewards such as StepSearch's), and `error` (a short reason) when the tool failed on this call."""
+
+    text: str
+    passages: list[Passage] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class CallContext:
+    """What a tool may know about the episode a call comes from (hidden from the model; never in the schema)."""
+
+    item: Any  # the QAItem: question, golden_answers, metadata
+    turn: int  # 0-based model turn of the call
+    episode_index: int  # position of the episode in the agent's batch
+
+
+class Tool:
+    """Base class. Subclasses set `name`, `description`, `parameters` and implement `run`; `prepare` validates the
+    arguments against `parameters` (required keys, JSON types, no unknown keys) unless overridden."""
+
+    name: str = "tool"
+    description: str = ""
+    parameters: dict = {"type": "object", "properties": {}, "required": []}
+    tag_argument: str | None = None  # Search-R1 format: `<name> value </name>` fills this argument
+    timeout_s: float | None = None  # a batch that runs longer counts as a tool error for each of its calls
+
+    def schema(self) -> dict:
+        """The Qwen2.5 / OpenAI function schema the chat template renders into the prompt."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    def usage(self) -> str:
+        """An example call, as the model should write it (shown after a malformed call)."""
+        example = {key: f"<{key}>" for key in self.parameters.get("required", [])}
+        return json.dumps({"name": self.name, "arguments": example})
+
+    def tag_hint(self, open_tag: str, close_tag: str) -> str:
+        return f"Call it as {open_tag} {self.tag_argument} {close_tag}."
+
+    def prepare(self, arguments: Any) -> dict:
+        """The call's arguments, checked against the schema; raises InvalidCall."""
+        check_arguments(self.parameters, arguments, self.name, self.usage())
+        return dict(arguments)
+
+    def run(self, calls: list[dict], contexts: list[CallContext]) -> list[ToolResult]:
+        """One result per call, in order."""
+        raise NotImplementedError
+
+    def on_progress(self, step: int, total_steps: int | None) -> None:
+        """Called by the trainer before each round (curricula, e.g. a simulator's growing noise); default: nothing."""
+
+
+def check_arguments(schema: dict, arguments: Any, tool: str, usage: str) -> None:
+    """A small JSON-schema check (object with typed properties, required keys, no others), enough for tool calls;
+    raises InvalidCall("bad_arguments", ...) naming the key."""
+    if not isinstance(arguments, dict):
+        raise InvalidCall(BAD_ARGUMENTS, f"Error: the arguments of {tool!r} must be a JSON object. Use {usage}.")
+    properties = schema.get("properties", {})
+    missing = [key for key in schema.get("required", []) if key not in arguments]
+    unknown = [key for key in arguments if key not in properties]
+    if missing or unknown:
+        what = f"missing {missing}" if missing else f"unknown {unknown}"
+        raise InvalidCall(BAD_ARGUMENTS, f"Error: arguments of {tool!r}: {what}. Use {usage}.")
+    for key, value in arguments.items():
+        expected = properties[key].get("type")
+        if expected and not _is_type(value, expected, properties[key]):
+            raise InvalidCall(BAD_ARGUMENTS, f"Error: argument {key!r} of {tool!r} must be a {expected}. Use {usage}.")
+
+
+def _is_type(value: Any, expected: str, spec: dict) -> bool:
+    kind = JSON_TYPES.get(expected)
+    if kind is None:
+        return True
+    if expected in ("integer", "number") and isinstance(value, bool):
+        return False
+    if not isinstance(value, kind):
+        return False
+    item = spec.get("items", {}).get("type") if expected == "array" else None
+    return item is None or all(_is_type(v, item, spec.get("items", {})) for v in value)
