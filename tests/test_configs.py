@@ -85,7 +85,9 @@ def test_config_mistakes_fail_at_start_with_the_key(tmp_path):
 
 def test_trainer_and_logger_instantiate_on_cpu(tmp_path):
     cfg = _compose("train", [f"output_dir={tmp_path}"])
-    trainer = instantiate(cfg.trainer, logger=instantiate(cfg.logger), callbacks=[])
+    from dspo.loggers import build_loggers
+
+    trainer = instantiate(cfg.trainer, logger=build_loggers(cfg.logger), callbacks=[])
     assert trainer.max_steps == cfg.trainer.max_steps
     assert Path(trainer.logger.log_dir).parent == tmp_path
 
