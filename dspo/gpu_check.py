@@ -355,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if "fsdp_step" in results:
         step = results["fsdp_step"]
         print(
-            f"FSDP2 step: {step['step_flops_per_s'] / 1e12:.2f} TFLOP/s = {step['fraction_of_matmul_rate']:.2f} of "
-            f"the bf16 matmul rate ({step['bf16_matmul_flops_per_s'] / 1e12:.2f} TFLOP/s)"
+            f"FSDP2 step: {step['step_flops_per_s'] / 1e12:.3g} TFLOP/s = {step['fraction_of_matmul_rate']:.2f} of "
+            f"the bf16 matmul rate ({step['bf16_matmul_flops_per_s'] / 1e12:.3g} TFLOP/s)"
         )
     print(f"results: {output}")
     return 0 if results["passed"] else 1

@@ -117,6 +117,11 @@ class RemoteRetriever:
         self._transport = transport  # tests inject httpx.MockTransport here
         self._client: httpx.Client | None = None
 
+    @property
+    def url(self) -> str | list[str]:
+        """`retriever.url` as given: the service's URL, or the list of replicas' URLs."""
+        return self.urls[0] if len(self.urls) == 1 else list(self.urls)
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_client": None, "_lock": None}
 

@@ -115,6 +115,7 @@ def test_an_outage_of_every_replica_shorter_than_max_wait_s_loses_nothing(clock,
 
 def test_replica_urls_take_one_url_or_a_list() -> None:
     assert replica_urls(A) == (A,)
+    assert RemoteRetriever(A).url == A and RemoteRetriever([A, B]).url == [A, B]  # as retriever.url was given
     assert replica_urls(OmegaConf.create({"url": [A, B]}).url) == (A, B)  # what Hydra passes
     with pytest.raises(ValueError, match="empty list"):
         replica_urls([])
