@@ -22,11 +22,6 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("dspo.train")
 
 
-def no_logger() -> bool:
-    """`logger: none`: Lightning's `logger=False`."""
-    return False
-
-
 def check_round_alignment(cfg: DictConfig) -> None:
     """Validation runs between optimizer steps, so an interval that is not a multiple of the steps per round would
     score the policy in the middle of a round (and the step-0 + every-k-steps curves would not line up with rounds)."""
@@ -69,14 +64,18 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate datamodule, module, callbacks, logger and trainer from the composed config."""
     import lightning.pytorch as pl
 
+    from dspo.loggers import LogRunConfig, build_loggers, run_hyperparameters
     from dspo.record import run_record
 
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(cfg.module, _convert_="all")  # plain containers: checkpoints load weights_only
     module.run_record = run_record(cfg)  # in every checkpoint and the exported model: what dspo-eval adopts
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    loggers = build_loggers(cfg.get("logger"))
+    if loggers:  # every logger gets the whole resolved config, once (dspo.loggers); checkpoints keep module hparams
+        module.save_hyperparameters(module.hparams_initial, logger=False)
+        callbacks.append(LogRunConfig(run_hyperparameters(cfg)))
+    trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return {"datamodule": datamodule, "module": module, "callbacks": callbacks, "trainer": trainer}
 
 
@@ -167,22 +166,25 @@ def _resume_in_place(cfg: DictConfig) -> str | None:
 
 
 def _report(cfg: DictConfig, trainer, metrics: dict[str, float]) -> None:
+    from dspo.loggers import describe
+
+    if not trainer.is_global_zero:
+        return
     out = Path(cfg.output_dir)
     shown = {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/"))}
     lines = [
         f"run directory : {out}",
         f"checkpoints   : {out / 'checkpoints'} (resume: dspo-train ckpt_path=last run_name={cfg.run_name})",
         f"exported model: {out / 'model'} (loadable by transformers and vLLM)",
-        f"TensorBoard   : tensorboard --logdir {out / 'tb'}",
+        *[describe(logger) for logger in trainer.loggers],
         f"test results  : {out / 'test'} (results.json, results.md, predictions.jsonl)",
         f"metrics       : {shown}",
     ]
-    if trainer.is_global_zero:
-        print("\n".join(["", "dspo-train finished", *lines]), flush=True)
-        path = out / "metrics.yaml"
-        # a resumed run merges into what the run logged before (the analysis reads its val/train keys)
-        previous = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
-        path.write_text(OmegaConf.to_yaml(OmegaConf.create({**previous, **metrics})))
+    print("\n".join(["", "dspo-train finished", *lines]), flush=True)
+    path = out / "metrics.yaml"
+    # a resumed run merges into what the run logged before (the analysis reads its val/train keys)
+    previous = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create({**previous, **metrics})))
 
 
 EXAMPLE = "dspo-train algorithm=gspo trainer.max_steps=100   (docs/training.md)"

@@ -87,7 +87,9 @@ def test_config_mistakes_fail_at_start_with_the_key(tmp_path):
 
 def test_trainer_and_logger_instantiate_on_cpu(tmp_path):
     cfg = _compose("train", [f"output_dir={tmp_path}"])
-    trainer = instantiate(cfg.trainer, logger=instantiate(cfg.logger), callbacks=[])
+    from dspo.loggers import build_loggers
+
+    trainer = instantiate(cfg.trainer, logger=build_loggers(cfg.logger), callbacks=[])
     assert trainer.max_steps == cfg.trainer.max_steps
     assert Path(trainer.logger.log_dir).parent == tmp_path
 
@@ -102,3 +104,15 @@ def test_fsdp_strategy_composes_and_instantiates(tmp_path):
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
     cpu = _compose("train", ["trainer=fsdp", "trainer.accelerator=cpu", f"output_dir={tmp_path}"])
     assert cpu.trainer.precision == "32-true"  # follows the accelerator, no extra flag
+
+
+def test_remote_retriever_takes_one_url_or_a_list_of_replicas(tmp_path):
+    from dspo.search.client import RemoteRetriever
+
+    urls = ["http://node0:8000/retrieve", "http://node1:8000/retrieve"]
+    cfg = _compose("train", ["retriever=remote", f"retriever.url=[{','.join(urls)}]", f"output_dir={tmp_path}"])
+    retriever = instantiate(cfg.retriever)
+    assert isinstance(retriever, RemoteRetriever) and retriever.urls == tuple(urls) and retriever.cooldown_s == 30.0
+    assert instantiate(_compose("train", ["retriever=remote", f"output_dir={tmp_path}"]).retriever).urls == (
+        "http://127.0.0.1:8000/retrieve",
+    )
