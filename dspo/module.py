@@ -113,8 +113,8 @@ class DSPOModule(pl.LightningModule):
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference model is not stored in checkpoints
         self.model_cfg, self.algo, self.optim_cfg = model, algorithm, optimizer
-        self.save_hyperparameters(
-            {"model": asdict(model), "algorithm": asdict(algorithm), "optimizer": asdict(optimizer)}
+        self.save_hyperparameters(  # in checkpoints; loggers get the whole resolved config (dspo.loggers) instead
+            {"model": asdict(model), "algorithm": asdict(algorithm), "optimizer": asdict(optimizer)}, logger=False
         )
         self.policy: nn.Module | None = None
         self.reference: nn.Module | None = None

@@ -73,7 +73,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = build_loggers(cfg.get("logger"))
     if loggers:  # every logger gets the whole resolved config, once (dspo.loggers); checkpoints keep module hparams
-        module.save_hyperparameters(module.hparams_initial, logger=False)
         callbacks.append(LogRunConfig(run_hyperparameters(cfg)))
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return {"datamodule": datamodule, "module": module, "callbacks": callbacks, "trainer": trainer}

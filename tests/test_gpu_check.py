@@ -74,12 +74,6 @@ def test_an_unknown_part_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="HFEngine.push_weights rejects the tied 'lm_head.weight' of the toy model (dspo/rollout/engine.py: "
-    "named_parameters(remove_duplicate=False) fixes it); remove this mark with that fix",
-)
 def test_cpu_mode_trains_with_the_hf_engine_and_without_vllm(toy_cache, tmp_path):
     blocker = tmp_path / "no_vllm" / "vllm"
     blocker.mkdir(parents=True)

@@ -166,8 +166,9 @@ class EnvironmentCallback(pl.Callback):
             self.current, self.cursor = None, 0
 
     def _write_samples(self, trainer: pl.Trainer, group) -> None:
-        experiment = getattr(trainer.logger, "experiment", None)
-        if experiment is None or not hasattr(experiment, "add_text"):
+        # TensorBoard's writer, wherever it is in the list of loggers (other loggers get the scalars only)
+        experiment = next((lg.experiment for lg in trainer.loggers if hasattr(lg.experiment, "add_text")), None)
+        if experiment is None:
             return
         lines = [f"**question**: {group.item.question}  \n**gold**: {group.item.golden_answers}"]
         for i, t in enumerate(group.trajectories):

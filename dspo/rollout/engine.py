@@ -325,8 +325,9 @@ class HFEngine:
     @torch.no_grad()
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors into the model's parameters/buffers by name (unknown names are an error)."""
-        targets = dict(self.model.named_parameters())
-        targets.update(dict(self.model.named_buffers()))
+        # every name of a tied weight (`lm_head.weight` beside `model.embed_tokens.weight`): the push sends both
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(dict(self.model.named_buffers(remove_duplicate=False)))
         for name, tensor in named_tensors:
             if name not in targets:
                 raise KeyError(f"HFEngine.push_weights: {name!r} is not a parameter or buffer of the engine's model")
