@@ -170,17 +170,18 @@ def _micro_batches(shapes: Shapes, device: torch.device, seed: int = 0) -> list[
 def _optimizer_step(runner, model, optimizer, batches: list[dict[str, torch.Tensor]], device: torch.device) -> float:
     """One DSPO optimizer step as `DSPOModule.training_step` takes it under bf16-mixed: forward under autocast,
     backward outside it, the whole mini-batch as normalizer, global-norm clipping, AdamW."""
-    from dspo.algorithms.losses import loss_normalizer, policy_loss
+    from dspo.algorithms import OBJECTIVES, policy_loss
+    from dspo.algorithms.blocks import loss_normalizer
     from dspo.models.fsdp import clip_grad_norm
 
     tokens = float(sum(b["loss_mask"].sum() for b in batches))
-    normalizer = loss_normalizer("dspo", sum(len(b["adv"]) for b in batches), tokens)
+    normalizer = loss_normalizer(OBJECTIVES["dspo"].normalizer_unit, sum(len(b["adv"]) for b in batches), tokens)
     total = 0.0
     for batch in batches:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logprobs, _ = runner(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 1024)
-        loss, _ = policy_loss(
-            "dspo", logprobs, logprobs.detach(), batch["adv"], batch["loss_mask"], 3e-4, 4e-4, normalizer=normalizer
+        loss, _ = policy_loss(  # dspo's own clip range (its record's defaults)
+            "dspo", logprobs, logprobs.detach(), batch["adv"], batch["loss_mask"], normalizer=normalizer
         )
         loss.backward()
         total += float(loss.detach())

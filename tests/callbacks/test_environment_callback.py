@@ -224,16 +224,18 @@ def test_sample_trajectories_are_written_as_text_with_rewards_and_searches():
         for reward, text, searches in ((1.0, "first\nline", 2), (0.0, "second", 0))
     ]
     experiment = _Experiment()
-    trainer = SimpleNamespace(logger=SimpleNamespace(experiment=experiment), global_step=12)
+    scalars_only = SimpleNamespace(experiment=object())  # e.g. a CSV logger listed first: samples go to TensorBoard's
+    trainer = SimpleNamespace(loggers=[scalars_only, SimpleNamespace(experiment=experiment)], global_step=12)
     _callback()._write_samples(trainer, RolloutGroup(item=item, trajectories=trajectories))
     [(tag, text, step)] = experiment.texts
     assert tag == "rollout/sample" and step == 12
     assert "Who founded Lipindale?" in text and "['Rotha Drouzol']" in text
     assert "**#0 reward=1.0 searches=2**" in text and "**#1 reward=0.0 searches=0**" in text
     assert "first  \nline" in text and "\n---\n**#1" in text  # markdown line breaks, one block per trajectory
-    _callback()._write_samples(SimpleNamespace(logger=None, global_step=0), RolloutGroup(item, trajectories))
-    no_text = SimpleNamespace(logger=SimpleNamespace(experiment=object()), global_step=0)  # a logger without text
+    _callback()._write_samples(SimpleNamespace(loggers=[], global_step=0), RolloutGroup(item, trajectories))
+    no_text = SimpleNamespace(loggers=[scalars_only], global_step=0)  # no logger that takes text
     _callback()._write_samples(no_text, RolloutGroup(item, trajectories))
+    assert len(experiment.texts) == 1
 
 
 def test_the_trained_policy_is_exported_unless_preempted(lm_dir, tmp_path, caplog):
