@@ -48,11 +48,13 @@ class InvalidCall(ValueError):
 @dataclass
 class ToolResult:
     """A tool's answer to one call: the text shown to the model, the passages it retrieved (ids and titles for
-    rewards such as StepSearch's), and `error` (a short reason) when the tool failed on this call."""
+    rewards such as StepSearch's), `error` (a short reason) when the tool failed on this call, and `metrics` the tool
+    wants logged (averaged over a round's calls as `rollout/tool/<tool>/<name>`, e.g. a simulator's noise)."""
 
     text: str
     passages: list[Passage] = field(default_factory=list)
     error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -359,6 +359,13 @@ class SearchAgent:
         stats.update({f"calls/{name}": sum(t.tool_calls.get(name, 0) for t in trajectories) / n for name in self.tools})
         errors = sum((ep.tool_errors for ep in episodes), Counter())
         stats.update({f"tool_errors/{name}": float(count) for name, count in errors.items()})
+        for tool in self.tools:  # tool metrics (ToolResult.metrics): means over the batch's calls of each tool
+            measured = [
+                t.result.metrics for ep in episodes for t in ep.turns if t.call and t.call[0] == tool and t.result
+            ]
+            for key in sorted({k for m in measured for k in m}):
+                values = [m[key] for m in measured if key in m]
+                stats[f"tool/{tool}/{key}"] = sum(values) / len(values)
         components = sorted({key for t in trajectories for key in t.reward_components})
         stats.update(
             {f"reward/{k}": sum(t.reward_components.get(k, 0.0) for t in trajectories) / n for k in components}

@@ -28,27 +28,28 @@ class SamplingExhausted(RuntimeError):
 
 class ToolAndRewardStats:
     """The environment's per-tool and per-reward-component statistics of a round, over its engine calls: counts
-    (`rollout/invalid/<tool>/<kind>`, `rollout/tool_errors/<tool>`) add up, per-trajectory means
-    (`rollout/calls/<tool>`, `reward/<component>`) are weighted by each call's trajectories."""
+    (`rollout/invalid/<tool>/<kind>`, `rollout/tool_errors/<tool>`) add up, means (`rollout/calls/<tool>`,
+    `reward/<component>`, `rollout/tool/<tool>/<metric>`) are weighted by the trajectories of the calls that
+    reported them."""
 
     SUMS = ("invalid/", "tool_errors/")
-    MEANS = ("calls/", "reward/")
+    MEANS = ("calls/", "reward/", "tool/")
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.weighted: dict[str, float] = {}
-        self.trajectories = 0
+        self.weights: dict[str, int] = {}
 
     def add(self, stats: dict[str, float], trajectories: int) -> None:
-        self.trajectories += trajectories
         for key, value in stats.items():
             if key.startswith(self.SUMS):
                 self.sums[key] = self.sums.get(key, 0.0) + value
             elif key.startswith(self.MEANS):
                 self.weighted[key] = self.weighted.get(key, 0.0) + value * trajectories
+                self.weights[key] = self.weights.get(key, 0) + trajectories
 
     def result(self) -> dict[str, float]:
-        means = {key: value / max(self.trajectories, 1) for key, value in self.weighted.items()}
+        means = {key: value / max(self.weights[key], 1) for key, value in self.weighted.items()}
         named = {**self.sums, **means}
         return {(key if key.startswith("reward/") else f"rollout/{key}"): value for key, value in named.items()}
 

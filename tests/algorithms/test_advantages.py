@@ -89,3 +89,40 @@ def test_bad_inputs_raise() -> None:
         group_advantages(torch.tensor([[1.0], [0.0]]))
     with pytest.raises(ValueError, match="NaN"):
         group_advantages(torch.tensor([[1.0, float("nan")]]))
+
+
+def test_turn_advantages_by_hand() -> None:
+    """One group: step rewards 0.5, 1.0 (trajectory 0), none on the answer turn, -0.5 (trajectory 1). Over the three
+    values: mean 1/3, unbiased std sqrt(((1/6)^2 + (2/3)^2 + (5/6)^2) / 2) = sqrt(7/12) = 0.7637626."""
+    from dspo.algorithms.advantages import turn_advantages
+
+    out = turn_advantages([[0.5, 1.0, None], [-0.5, None]], eps=0.0)
+    std = (7 / 12) ** 0.5
+    assert out[0][2] == 0.0 and out[1][1] == 0.0  # no step reward: no step advantage
+    assert out[0][:2] == pytest.approx([(0.5 - 1 / 3) / std, (1.0 - 1 / 3) / std])
+    assert out[1][0] == pytest.approx((-0.5 - 1 / 3) / std)
+    assert turn_advantages([[1.0, None], [None]]) == [[0.0, 0.0], [0.0]]  # fewer than two step rewards: nothing
+    assert turn_advantages([[0.2], [0.2]], eps=1e-6) == [[0.0], [0.0]]  # all equal: 0 / (0 + eps)
+    with pytest.raises(ValueError, match="step rewards contain NaN"):
+        turn_advantages([[float("nan"), 1.0]])
+
+
+def test_group_mean_and_rloo_by_hand() -> None:
+    from dspo.algorithms.advantages import ADVANTAGES
+
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    assert ADVANTAGES["group_mean"](rewards).tolist() == [[0.75, -0.25, -0.25, -0.25]]  # R − mean
+    # R_i − mean of the others: 1 − 0, 0 − 1/3, ...
+    torch.testing.assert_close(ADVANTAGES["rloo"](rewards), torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]]))
+    torch.testing.assert_close(ADVANTAGES["rloo"](rewards), ADVANTAGES["group_mean"](rewards) * 4 / 3)  # G/(G−1)
+    for name in ("group_mean", "rloo", "group_norm"):
+        assert torch.equal(ADVANTAGES[name](torch.ones(2, 3)), torch.zeros(2, 3))  # all equal: exactly 0
+        with pytest.raises(
+            ValueError, match=f"{name if name != 'group_norm' else 'group_advantages'}: rewards contain"
+        ):
+            ADVANTAGES[name](torch.tensor([[1.0, float("inf")]]))
+    estimator = ADVANTAGES["group_norm"]
+    assert (
+        estimator(torch.tensor([[1.0, 0.0]])).tolist()
+        != estimator(torch.tensor([[1.0, 0.0]]), type(estimator.settings)(eps=1.0)).tolist()
+    )

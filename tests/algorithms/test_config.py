@@ -122,3 +122,10 @@ def test_rollout_correction_bounds_include_their_ends():
         "algorithm.rollout_correction.low/high: need 0 <= low <= 1 <= high (finite) so that on-policy tokens "
         "(ratio 1) keep weight 1, got low=1.5, high=2.0"
     )
+
+
+def test_the_estimators_settings_reach_the_advantages():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # std 0.5: eps 0.5 halves Eq. 10's advantages
+    assert AlgorithmConfig().advantages(rewards)[0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    halved = AlgorithmConfig(advantage_kwargs={"eps": 0.5}).advantages(rewards)
+    assert halved[0].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])

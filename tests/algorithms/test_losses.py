@@ -347,3 +347,27 @@ def test_kl_properties_and_errors() -> None:
     with pytest.raises(ValueError, match="share one shape"):
         kl_penalty(KL_LP, KL_REF[:, :2], KL_MASK)
     assert math.isfinite(kl_penalty(KL_LP.bfloat16(), KL_REF.bfloat16(), KL_MASK).item())
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo"])
+def test_token_level_objectives_take_one_advantage_per_token(name: str) -> None:
+    """Per-turn credit: advantages [N, L]. Broadcasting the per-sequence ones gives the same loss; per-token values
+    give, on-policy (s = 1), ∂loss/∂logπ_it = −A_it / T (dapo, T trained tokens) or −A_it / (N |y_i|) (grpo)."""
+    per_sequence, _ = policy_loss(name, OLD + DELTA, OLD, ADV, MASK, CLIP)
+    broadcast, _ = policy_loss(name, OLD + DELTA, OLD, ADV[:, None].expand_as(MASK).clone(), MASK, CLIP)
+    assert broadcast.item() == pytest.approx(per_sequence.item(), abs=1e-12)
+    per_token = torch.arange(16, dtype=torch.float64).reshape(4, 4) / 10 - 0.7
+    logprobs = _leaf(OLD + DELTA)
+    loss, _ = policy_loss(name, logprobs, logprobs.detach(), per_token, MASK, CLIP)
+    loss.backward()
+    scale = MASK.sum() if name == "dapo" else 4 * MASK.sum(dim=1, keepdim=True)
+    torch.testing.assert_close(logprobs.grad, -per_token * MASK / scale)
+    assert OBJECTIVES[name].token_advantages
+
+
+def test_sequence_objectives_refuse_per_token_advantages() -> None:
+    assert not OBJECTIVES["dspo"].token_advantages and not OBJECTIVES["gspo"].token_advantages
+    with pytest.raises(ValueError, match=r"advantages must be \[N\]=4 \(per-token advantages need a token-level"):
+        policy_loss("dspo", OLD + DELTA, OLD, torch.zeros(4, 4, dtype=torch.float64), MASK, CLIP)
+    with pytest.raises(ValueError, match=r"advantages must be \[N\]=4 or \[N, L\], got \(4, 3\)"):
+        policy_loss("dapo", OLD + DELTA, OLD, torch.zeros(4, 3, dtype=torch.float64), MASK, CLIP)

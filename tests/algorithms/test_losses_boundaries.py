@@ -199,3 +199,26 @@ def test_registering_fills_every_table():
         for table in (losses.OBJECTIVES, FILTERS, ADVANTAGES):
             for name in added:
                 table.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [("dspo", "sequence_clip_loss"), ("grpo", "token_clip_sequence_mean_loss"), ("dapo", "token_clip_token_mean_loss")],
+)
+def test_each_objectives_errors_name_the_objective(name, where):
+    logprobs, old, mask = _one_token_each([0.0, 0.0])
+    advantages = torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError) as err:
+        policy_loss(name, logprobs, old, advantages, mask, normalizer=-1.0)
+    assert str(err.value) == f"{where}: normalizer must be a finite count >= 0 (units in the mini-batch), got -1.0"
+    with pytest.raises(ValueError) as err:
+        policy_loss(name, logprobs, old, advantages, mask, weights=torch.ones(2, 3))
+    assert str(err.value) == f"{where}: weights (2, 3) must have the mask's shape (2, 2)"
+
+
+def test_a_one_token_sequence_counts_in_the_ratio_statistics():
+    """Sequences with a single trained token are valid for the statistics (lengths > 0, not > 1)."""
+    logprobs, old, mask = _one_token_each([0.1, -0.3])
+    _, stats = policy_loss("dspo", logprobs, old, torch.tensor([1.0, 1.0]), mask, ClipRange(0.2, 0.2))
+    assert float(stats["ratio_min"]) == pytest.approx(torch.exp(torch.tensor(-0.3)).item())
+    assert float(stats["ratio_max"]) == pytest.approx(torch.exp(torch.tensor(0.1)).item())

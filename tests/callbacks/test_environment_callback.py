@@ -243,10 +243,14 @@ def test_the_trained_policy_is_exported_unless_preempted(lm_dir, tmp_path, caplo
 
     from transformers import AutoModelForCausalLM
 
+    from dspo.record import read_model_record
+
     run = toy_run(lm_dir, str(tmp_path), 2)
+    run.module.run_record = {"format": 1, "config": {"rollout": {"agent": {"topk": 1}}}}  # as dspo.train sets it
     run.trainer.fit(run.module, datamodule=run.datamodule)
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
     assert run.callback.exported_to == str(tmp_path / "model")
+    assert read_model_record(tmp_path / "model") == {**run.module.run_record, "step": 2}  # what dspo-eval adopts
     for name, value in run.module.policy.state_dict().items():
         assert torch.equal(exported.state_dict()[name], value), name
     from dspo.callbacks.checkpoints import PreemptionCheckpoint
@@ -408,3 +412,38 @@ def test_the_export_writes_the_tokenizer_beside_the_model(lm_dir, tmp_path):
     run.callback.tokenizer = _SavingTokenizer()
     run.trainer.fit(run.module, datamodule=run.datamodule)
     assert run.callback.tokenizer.saved_to == [str(tmp_path / "model")]
+
+
+def test_each_round_tells_the_environment_where_training_is_and_uses_its_credit(lm_dir, tmp_path):
+    """Issue 27: before a round the environment's tools learn the step (curricula), and the round's advantages follow
+    the reward's credit; a per-turn credit with a sequence-level objective is refused when the callback is built."""
+    import dspo.callbacks.environment_callback as env_module
+    from dspo.env import Environment, SubEMReward
+
+    class RecordingEnv:
+        credit = "trajectory"
+
+        def __init__(self) -> None:
+            self.progress: list[tuple[int, int]] = []
+
+        def on_progress(self, step: int, total_steps: int) -> None:
+            self.progress.append((step, total_steps))
+
+    run = toy_run(lm_dir, str(tmp_path), 4, num_minibatches=2)
+    run.agent.env = RecordingEnv()
+    credits, build_round = [], env_module.build_round
+
+    def recording_build_round(groups, **kwargs):
+        credits.append(kwargs["credit"])
+        return build_round(groups, **kwargs)
+
+    env_module.build_round = recording_build_round
+    try:
+        run.trainer.fit(run.module, datamodule=run.datamodule)
+    finally:
+        env_module.build_round = build_round
+    assert run.agent.env.progress == [(0, 4), (2, 4)] and credits == ["trajectory", "trajectory"]
+    with pytest.raises(ValueError, match="env.reward.credit=turn .* objective 'dspo'"):
+        EnvironmentCallback(
+            None, None, Environment({}, SubEMReward(credit="turn")), AlgorithmConfig(), ModelConfig("m")
+        )

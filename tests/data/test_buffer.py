@@ -204,3 +204,34 @@ def test_collate_makes_integer_rewards_and_advantages_float():
     trajectory = Trajectory([1], [2], [1], [0.0], reward=1)
     batch = collate_trajectories([trajectory, trajectory], [1, -1], 0, 0)
     assert batch.rewards.dtype == batch.advantages.dtype == torch.float32
+
+
+def test_turn_credit_gives_each_turns_tokens_its_own_advantage():
+    """Per-turn credit (env.reward.credit=turn): a turn's tokens get the outcome advantage (Eq. 10 on the 0/1
+    outcomes) + the group-normalized advantage of its step reward; tool tokens and the prompt get 0."""
+    from dspo.algorithms.advantages import turn_advantages
+
+    def trajectory(outcome, steps, spans, length):
+        mask = [0] * length
+        for start, end in spans:
+            mask[start:end] = [1] * (end - start)
+        total = outcome + sum(s for s in steps if s is not None)
+        return Trajectory([1, 2], list(range(3, 3 + length)), mask, [0.0] * length, reward=total, outcome=outcome,
+                          step_rewards=steps, turn_spans=spans)  # fmt: skip
+
+    a = trajectory(1.0, [0.5, None], [(0, 2), (4, 6)], 6)  # search turn, tool tokens 2-3, answer turn
+    b = trajectory(0.0, [-0.5, 0.25], [(0, 1), (3, 5)], 5)
+    group = RolloutGroup(QAItem(id="q", question="q?", golden_answers=["x"]), [a, b])
+    rnd = build_round([group], 1, 8, pad_token_id=0, policy_version=0, seed=0, credit="turn")
+    (batch,) = rnd.minibatches[0]
+    assert batch.advantages.shape == batch.loss_mask.shape  # [N, L]
+    outcome = group_advantages(torch.tensor([[1.0, 0.0]]))[0].tolist()  # ±0.7071
+    steps = turn_advantages([[0.5, None], [-0.5, 0.25]])
+    by_len = {int(batch.attention_mask[i].sum()): i for i in range(2)}
+    row_a, row_b = batch.advantages[by_len[8]], batch.advantages[by_len[7]]  # prompt 2 + response
+    expected_a = [0, 0] + [outcome[0] + steps[0][0]] * 2 + [0, 0] + [outcome[0]] * 2
+    expected_b = [0, 0] + [outcome[1] + steps[1][0]] + [0, 0] + [outcome[1] + steps[1][1]] * 2
+    torch.testing.assert_close(row_a, torch.tensor(expected_a, dtype=torch.float32))
+    torch.testing.assert_close(row_b[:7], torch.tensor(expected_b, dtype=torch.float32))
+    trajectory_credit = build_round([group], 1, 8, pad_token_id=0, policy_version=0, seed=0)
+    assert trajectory_credit.minibatches[0][0].advantages.dim() == 1  # the default: one per sequence, from the totals

@@ -204,3 +204,49 @@ def test_logs_the_retriever_waits_of_each_round():
     assert stats["rollout/retriever_retries"] == 2.0  # this round's, not the 7 since the start
     _, in_process = RolloutEnvironment(FakeAgent(), env.spec).sample_round(PromptSampler(ITEMS, seed=0), 0, 0)
     assert in_process["rollout/retriever_retries"] == 0.0  # an in-process index has no retriever.retries
+
+
+class ShapedAgent(FakeAgent):
+    """Every trajectory gets a continuous shaping term (e.g. a retrieval cost), so every group's totals differ; only
+    prompts whose id is a multiple of 3 have mixed 0/1 outcomes."""
+
+    def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
+        groups = super().rollout(items, group_size, policy_version, greedy, seed)
+        for group in groups:
+            for j, t in enumerate(group.trajectories):
+                t.outcome, t.reward = t.reward, t.reward + 0.01 * (j + 1)  # outcome + shaping
+        return groups
+
+
+def test_the_filter_tests_the_outcome_not_the_shaped_total():
+    """Issue 27: a continuous shaping term would make every group look mixed and switch the dynamic filter off
+    without a word; the filter reads the 0/1 outcomes, the advantages the totals."""
+    agent = ShapedAgent()
+    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=4, batch_groups=4))
+    groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
+    assert all(int(g.item.id) % 3 == 0 for g in groups)  # only the groups with mixed outcomes were kept
+    assert stats["rollout/keep_rate"] < 0.5  # a filter on the totals would have passed every group (keep-rate 1)
+    assert all(len(set(g.rewards.tolist())) == 4 for g in groups) and all(
+        set(g.outcomes.tolist()) == {0.0, 1.0} for g in groups
+    )
+
+
+def test_tool_and_reward_statistics_add_up_over_engine_calls():
+    from dspo.rollout.environment import ToolAndRewardStats
+
+    stats = ToolAndRewardStats()
+    stats.add(
+        {"invalid/search/empty_query": 2.0, "calls/search": 1.0, "reward/subem": 0.5, "tool/search/noise": 0.2}, 10
+    )
+    stats.add(
+        {"invalid/search/empty_query": 1.0, "tool_errors/search": 1.0, "calls/search": 2.0, "reward/subem": 1.0}, 30
+    )
+    assert stats.result() == pytest.approx(
+        {
+            "rollout/invalid/search/empty_query": 3.0,  # counts add up
+            "rollout/tool_errors/search": 1.0,
+            "rollout/calls/search": (10 * 1.0 + 30 * 2.0) / 40,  # per-trajectory means, weighted by trajectories
+            "reward/subem": (10 * 0.5 + 30 * 1.0) / 40,
+            "rollout/tool/search/noise": 0.2,  # reported by the first call only: its mean, not diluted
+        }
+    )
