@@ -255,6 +255,9 @@ def test_tool_in_the_real_agent_loop(qwen_tokenizer, noise_end):
     assert "<information>Doc 1 (Title: " in text
     assert ("(Title: Brikor Corp)" in text) == (noise_end == 0.0)
     assert tool.last_metrics == {"noise_probability": noise_end, "noisy_share": noise_end}
+    if hasattr(ToolResult("x"), "metrics"):  # the proposed extension: the agent averages them per round
+        assert agent.last_stats["tool/search/noise_probability"] == noise_end
+        assert agent.last_stats["tool/search/noisy_docs"] == noise_end  # k = 1
 
 
 def test_tool_results_carry_metrics_when_tool_result_has_the_field():
