@@ -6,9 +6,9 @@
 
 `--model toy` (default): the shipped warm-started toy model (`data/toy_warmstart`, adopted into a temporary toy world
 exactly as `dspo-train` adopts it), the toy world's training questions, its BM25 index, and the agent settings of
-`conf/rollout/vllm.yaml` + `conf/experiment/toy.yaml` (tags, top-k, turns, lengths) at the RL temperature. The model
-really searches: it writes queries, BM25 answers them, passages are spliced in, and it answers, so the three phases
-of a rollout are all exercised.
+`conf/rollout/agent/default.yaml` + `conf/experiment/toy.yaml` (tags, top-k, turns, lengths) at the RL temperature.
+The model really searches: it writes queries, BM25 answers them, passages are spliced in, and it answers, so the three
+phases of a rollout are all exercised.
 `--model random`: a tiny random Qwen2 with Qwen2.5's 151k vocabulary, steered to close tool calls (malformed, so
 every tool turn is an error observation) on HotpotQA questions: the cost of a large vocabulary per token.
 

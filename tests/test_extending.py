@@ -32,7 +32,7 @@ def examples(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.chdir(REPO)
     yield
-    for name in ("my_objective", "my_advantage", "my_world", "my_retriever"):
+    for name in ("my_objective", "my_advantage", "my_world", "my_retriever", "my_tool", "my_reward"):
         sys.modules.pop(name, None)
     OBJECTIVES.pop("seq_cispo")
     ADVANTAGES.pop("batch_std")
@@ -103,28 +103,6 @@ def test_advantage_estimator_registers_from_imports_with_a_hand_computed_value(e
     torch.testing.assert_close(config.advantages(rewards), expected, atol=1e-5, rtol=0)
     eps = AlgorithmConfig(advantage="batch_std", advantage_kwargs={"eps": 0.5})  # its setting: 0.5 / (0.5 + 0.5)
     assert eps.advantages(rewards)[1, 0].item() == pytest.approx(0.5)
-
-
-@pytest.mark.slow
-def test_cli_run_with_the_example_objective_and_estimator(run_train, short_default, tmp_path, monkeypatch):
-    """Both examples through `dspo-train 'imports=[...]'`, as the guide runs them (an unknown name would be refused
-    when the config is built, so a finished run used both)."""
-    from dspo.analysis import find_runs, load_scalars
-
-    monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
-    args = [
-        "imports=[my_objective,my_advantage]",
-        "algorithm.loss=seq_cispo",
-        "+algorithm.loss_kwargs.lower_bound=true",
-    ]
-    args += ["algorithm.advantage=batch_std", "trainer.max_steps=2", "run_test=false"]
-    run_train([*short_default, "data.val_limit=4", *args], tmp_path / "outputs")
-    (run,) = find_runs(tmp_path / "outputs" / "train")
-    config = (run.dir / ".hydra" / "config.yaml").read_text()
-    assert "loss: seq_cispo" in config and "advantage: batch_std" in config and "lower_bound: true" in config
-    scalars = load_scalars(run.dir)
-    loss = scalars[scalars.tag == "train/loss"]
-    assert len(loss) == 2 and loss.value.map(math.isfinite).all()
 
 
 # ---------------------------------------------------------------------- 3. a new QA dataset and a new world
@@ -214,3 +192,73 @@ def test_reranker_is_a_retriever_selected_by_target_and_used_by_the_agent(exampl
     )
     assert "Ana Lys was born in Veltra" in observation and "waved at the harbor" not in observation
     assert (trajectory.reward, trajectory.num_search_calls) == (1.0, 1)
+
+
+# ------------------------------------------------------------------------ 6-7. a new tool and a new reward
+def _judge_scripts() -> list[list[str]]:
+    return [  # (distinct texts: the scripted engine tells trajectories apart by their history)
+        ["<search> capital of France </search>", "<judge> yes </judge>", "<answer> Paris </answer>"],  # right verdict
+        ["<judge> yes </judge>", "<answer> Paris </answer>"],  # nothing retrieved yet, says yes: wrong
+        ["<search> France </search>", "<judge> maybe </judge>", "<answer> Berlin </answer>"],  # not a verdict
+    ]
+
+
+def test_judge_tool_and_judged_reward_in_the_agent_loop_hand_computed(examples):
+    """env=reseek as the guide composes it, run by the real agent loop on scripted turns: the judge tool's calls are
+    batched and counted, a bad verdict is the model's fault (counted, explained), the reward's steps by hand."""
+    from transformers import AutoTokenizer
+
+    from dspo.env import Environment, SearchTool
+    from dspo.resources import QWEN_TOKENIZER, data_dir
+    from dspo.rollout.agent import AgentConfig, SearchAgent
+    from dspo.rollout.scripted import ScriptedEngine
+    from dspo.types import Passage, QAItem
+
+    import_modules(["my_tool", "my_reward"])
+    cfg = compose_train(SEARCHPATH, "env=reseek")
+    judge, reward = instantiate(cfg.env.tools.judge), instantiate(cfg.env.reward)
+    page = Passage(id="1", title="France", text="Paris is the capital of France.")
+
+    class OnePage:
+        def search(self, queries, k):
+            return [[page] for _ in queries]
+
+    env = Environment({"search": SearchTool(OnePage(), topk=1), "judge": judge}, reward, 0.05, cfg.env.instruction)
+    tokenizer = AutoTokenizer.from_pretrained(str(data_dir().joinpath(*QWEN_TOKENIZER)))
+    config = AgentConfig(tag_format="searchr1", max_turns=3, topk=1, max_new_tokens_per_turn=64)
+    agent = SearchAgent(ScriptedEngine(tokenizer, _judge_scripts()), tokenizer, env, config)
+    item = QAItem(id="q", question="What is the capital of France?", golden_answers=["Paris"])
+    right, blind, bad = agent.rollout([item], group_size=3, policy_version=0)[0].trajectories
+    assert "<information>Noted: answer now." in right.response_text
+    assert right.step_rewards == [None, 0.1, None] and right.reward == pytest.approx(1.1)
+    assert blind.step_rewards == [-0.1, None] and blind.reward == pytest.approx(0.9)
+    assert bad.step_rewards == [None, None, None] and bad.reward == 0.0 and "must be one of" in bad.response_text
+    assert right.reward_components == {"subem": 1.0, "judge": 0.1} and blind.reward_components["judge"] == -0.1
+    stats = agent.last_stats
+    assert stats["calls/judge"] == pytest.approx(2 / 3) and stats["invalid/judge/bad_arguments"] == 1
+
+
+@pytest.mark.slow
+def test_cli_run_with_every_example_plugin(run_train, short_default, tmp_path, monkeypatch):
+    """The objective, the estimator, the tool and the reward through `dspo-train 'imports=[...]'`, as the guide runs
+    them (an unknown name would be refused when the config is built, so a finished run used all four)."""
+    from dspo.analysis import find_runs, load_scalars
+
+    monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
+    args = [
+        "imports=[my_objective,my_advantage,my_tool,my_reward]",
+        SEARCHPATH,
+        "env=reseek",
+        "algorithm.loss=seq_cispo",
+        "+algorithm.loss_kwargs.lower_bound=true",
+    ]
+    args += ["algorithm.advantage=batch_std", "trainer.max_steps=2", "run_test=false"]
+    run_train([*short_default, "data.val_limit=4", *args], tmp_path / "outputs")
+    (run,) = find_runs(tmp_path / "outputs" / "train")
+    config = (run.dir / ".hydra" / "config.yaml").read_text()
+    assert "loss: seq_cispo" in config and "advantage: batch_std" in config and "lower_bound: true" in config
+    assert "_target_: my_tool.JudgeTool" in config and "_target_: my_reward.JudgedSubEM" in config
+    scalars = load_scalars(run.dir)
+    loss = scalars[scalars.tag == "train/loss"]
+    assert len(loss) == 2 and loss.value.map(math.isfinite).all()
+    assert {"reward/subem", "reward/judge", "rollout/calls/search"} <= set(scalars.tag)

@@ -22,7 +22,6 @@ Where this departs from ZeroSearch, and why:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import re
 from collections.abc import Callable
@@ -96,9 +95,6 @@ class Simulator(Protocol):
 
 
 # ------------------------------------------------------------------------------------------ the tool
-_TOOL_RESULT_HAS_METRICS = "metrics" in {f.name for f in dataclasses.fields(ToolResult)}
-
-
 class SimulatedSearchTool(SearchTool):
     """The search tool over a simulator. Args (config keys `env.tools.search.<key>`):
     simulator: an `EngineSimulator`, a `ScriptedSimulator` or any `Simulator`.
@@ -130,7 +126,6 @@ class SimulatedSearchTool(SearchTool):
         self.simulator, self.seed = simulator, seed
         self.curriculum = NoiseCurriculum(noise_start, noise_end, schedule, schedule_base, f"env.tools.{name}")
         self.step, self.total_steps = 0, None
-        self.last_metrics: dict[str, float] = {}  # of the last batch, for callers without ToolResult.metrics
 
     @property
     def noise_probability(self) -> float:
@@ -156,11 +151,10 @@ class SimulatedSearchTool(SearchTool):
         for call in calls:
             n = len(call["query_list"])
             hits, asked = results[offset : offset + n], queries[offset : offset + n]
-            metrics = {"noise_probability": p, "noisy_docs": float(sum(sum(q.noisy) for q in asked))}
-            out.append(self._result(format_passages(call["query_list"], hits), [d for ds in hits for d in ds], metrics))
+            metrics = {"noise_probability": p, "noisy_share": sum(sum(q.noisy) for q in asked) / (n * self.topk)}
+            passages = [d for ds in hits for d in ds]
+            out.append(ToolResult(format_passages(call["query_list"], hits), passages, metrics=metrics))
             offset += n
-        noisy = sum(sum(q.noisy) for q in queries)
-        self.last_metrics = {"noise_probability": p, "noisy_share": noisy / max(len(queries) * self.topk, 1)}
         return out
 
     def _query(self, query: str, position: int, context: CallContext, p: float) -> SimulatedQuery:
@@ -173,13 +167,6 @@ class SimulatedSearchTool(SearchTool):
             question=getattr(item, "question", ""),
             answers=list(getattr(item, "golden_answers", [])),
         )
-
-    @staticmethod
-    def _result(text: str, passages: list[Passage], metrics: dict[str, float]) -> ToolResult:
-        """With the per-call `metrics` where ToolResult carries them (averaged into rollout/tool/<name>/<metric>)."""
-        if _TOOL_RESULT_HAS_METRICS:
-            return ToolResult(text, passages, metrics=metrics)
-        return ToolResult(text, passages)
 
 
 # ------------------------------------------------------------------------------------------ the toy's simulator

@@ -73,7 +73,7 @@ class Tool:
     name: str = "tool"
     description: str = ""
     parameters: dict = {"type": "object", "properties": {}, "required": []}
-    tag_argument: str | None = None  # Search-R1 format: `<name> value </name>` fills this argument
+    tag_argument: str | None = None  # Search-R1 format: `<name> value </name>` fills this argument (stripped)
     timeout_s: float | None = None  # a batch that runs longer counts as a tool error for each of its calls
 
     def schema(self) -> dict:
@@ -105,8 +105,8 @@ class Tool:
 
 
 def check_arguments(schema: dict, arguments: Any, tool: str, usage: str) -> None:
-    """A small JSON-schema check (object with typed properties, required keys, no others), enough for tool calls;
-    raises InvalidCall("bad_arguments", ...) naming the key."""
+    """A small JSON-schema check (object with typed properties, `enum`s, required keys, no others), enough for tool
+    calls; raises InvalidCall("bad_arguments", ...) naming the key."""
     if not isinstance(arguments, dict):
         raise InvalidCall(BAD_ARGUMENTS, f"Error: the arguments of {tool!r} must be a JSON object. Use {usage}.")
     properties = schema.get("properties", {})
@@ -119,6 +119,9 @@ def check_arguments(schema: dict, arguments: Any, tool: str, usage: str) -> None
         expected = properties[key].get("type")
         if expected and not _is_type(value, expected, properties[key]):
             raise InvalidCall(BAD_ARGUMENTS, f"Error: argument {key!r} of {tool!r} must be a {expected}. Use {usage}.")
+        choices = properties[key].get("enum")
+        if choices is not None and value not in choices:
+            raise InvalidCall(BAD_ARGUMENTS, f"Error: argument {key!r} of {tool!r} must be one of {choices}.")
 
 
 def _is_type(value: Any, expected: str, spec: dict) -> bool:

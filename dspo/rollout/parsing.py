@@ -89,7 +89,7 @@ def parse_call(text: str, tools: Mapping[str, Any], tag_format: str, close: str)
         return _fail(
             name, MISSING_OPEN_TAG, f"Error: found {close} without {open_tag}. {tool.tag_hint(open_tag, close)}"
         )
-    return _prepared(tool, {tool.tag_argument: body})
+    return _prepared(tool, {tool.tag_argument: body.strip()})  # `<judge> yes </judge>`: the argument is 'yes'
 
 
 def _parse_qwen(text: str, tools: Mapping[str, Any]) -> ParsedCall:

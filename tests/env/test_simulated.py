@@ -18,7 +18,7 @@ from dspo.env.simulated import (
     SimulatedSearchTool,
     parse_document,
 )
-from dspo.env.tools import CallContext, ToolResult
+from dspo.env.tools import CallContext
 from dspo.resources import QWEN_TOKENIZER, data_dir
 from dspo.rollout.agent import AgentConfig, SearchAgent
 from dspo.rollout.scripted import ScriptedEngine
@@ -254,22 +254,19 @@ def test_tool_in_the_real_agent_loop(qwen_tokenizer, noise_end):
     text = trajectories[0].response_text
     assert "<information>Doc 1 (Title: " in text
     assert ("(Title: Brikor Corp)" in text) == (noise_end == 0.0)
-    assert tool.last_metrics == {"noise_probability": noise_end, "noisy_share": noise_end}
-    if hasattr(ToolResult("x"), "metrics"):  # the proposed extension: the agent averages them per round
-        assert agent.last_stats["tool/search/noise_probability"] == noise_end
-        assert agent.last_stats["tool/search/noisy_docs"] == noise_end  # k = 1
+    assert agent.last_stats["tool/search/noise_probability"] == noise_end  # the agent averages them per round
+    assert agent.last_stats["tool/search/noisy_share"] == noise_end  # k = 1
 
 
-def test_tool_results_carry_metrics_when_tool_result_has_the_field():
+def test_tool_results_carry_the_noise_as_metrics():
     tool = SimulatedSearchTool(ScriptedSimulator(RankedRetriever(PAGES)), topk=1, noise_end=1.0)
     tool.on_progress(4, 4)
     calls = [{"query_list": ["Brikor Corp", "Gorn Corp"]}, {"query_list": ["Zelto Corp"]}]
     first, second = tool.run(calls, [CallContext(BRIKOR, 0, 0), CallContext(BRIKOR, 0, 1)])
     assert first.error is None and first.text.startswith('Results for "Brikor Corp":\nDoc 1 (Title: ')
     assert len(first.passages) == 2 and len(second.passages) == 1
-    if hasattr(ToolResult("x"), "metrics"):  # the proposed generic extension (rollout/tool/<tool>/<metric>)
-        assert first.metrics == {"noise_probability": 1.0, "noisy_docs": 2.0}
-        assert second.metrics == {"noise_probability": 1.0, "noisy_docs": 1.0}
+    assert first.metrics == {"noise_probability": 1.0, "noisy_share": 1.0}  # 2 of 2 documents noisy
+    assert second.metrics == {"noise_probability": 1.0, "noisy_share": 1.0}
 
 
 def test_engine_simulator_in_the_agent_one_generate_per_turn(qwen_tokenizer):

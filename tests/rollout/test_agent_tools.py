@@ -102,7 +102,7 @@ def test_tags_of_several_tools_in_search_r1_format(qwen_tokenizer, retriever):
         ScriptedEngine(qwen_tokenizer, [turns]), qwen_tokenizer, env, AgentConfig(tag_format="searchr1")
     )
     (trajectory,) = runner.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories
-    assert tools["calc"].batches == [[" 6*7 "]] and retriever.calls == [["France"]]
+    assert tools["calc"].batches == [["6*7"]] and retriever.calls == [["France"]]
     assert trajectory.tool_calls == {"calc": 1, "search": 1} and trajectory.reward == 1.0
     assert "Use <calc> e </calc>" in qwen_tokenizer.decode(trajectory.prompt_ids)  # env.instruction is the prompt
 

@@ -96,7 +96,21 @@ def test_several_tools_name_each_other_and_are_validated_against_their_schemas()
         bad = parse(calc_call(arguments), tools)
         assert bad.error_kind == parsing.BAD_ARGUMENTS and bad.tool == "calc" and reason in bad.error
     tag = parsing.parse_call("<calc> 2*3 </calc>", tools, "searchr1", "</calc>")
-    assert tag.ok and tag.arguments == {"expression": " 2*3 "}
+    assert tag.ok and tag.arguments == {"expression": "2*3"}  # the text between the tags, stripped
+
+
+def test_enum_arguments_are_checked():
+    class Judge(Calculator):
+        name, tag_argument = "judge", "verdict"
+        parameters = {"type": "object", "properties": {"verdict": {"type": "string", "enum": ["yes", "no"]}}}
+
+    tools = {**SEARCH, "judge": Judge()}
+    assert parsing.parse_call("<judge>\nyes </judge>", tools, "searchr1", "</judge>").arguments == {"verdict": "yes"}
+    bad = parsing.parse_call("<judge> maybe </judge>", tools, "searchr1", "</judge>")
+    assert (
+        bad.error_kind == parsing.BAD_ARGUMENTS
+        and bad.error == "Error: argument 'verdict' of 'judge' must be one of ['yes', 'no']."
+    )
 
 
 def test_unknown_arguments_are_refused():
