@@ -1,8 +1,9 @@
 """Rollout groups -> mini-batches -> padded `PolicyBatch` micro-batches.
 
 Advantages: one per trajectory from the configured estimator on the groups' rewards (Eq. 10 by default), or, with
-per-turn credit (`env.reward.credit=turn`), one per token: each model turn's tokens get the trajectory's outcome
-advantage plus the group-normalized advantage of that turn's step reward (`turn_advantages`; StepSearch).
+per-turn credit (`env.reward.credit=turn`), one per token: each model turn's tokens get the trajectory-level
+advantage (the estimator on outcome + shaping) plus the group-normalized advantage of that turn's step reward
+(`turn_advantages`; StepSearch).
 
 One round holds B groups of G trajectories. They are shuffled (seeded) and cut into M mini-batches, one optimizer step
 each (M = 1 is fully on-policy). Inside a mini-batch, sequences are sorted by length before being cut into
@@ -75,10 +76,11 @@ def collate_trajectories(
 def turn_credit(
     groups: list[RolloutGroup], advantages: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[list[list[float]]]:
-    """Per-token advantages [B][G][response tokens]: a model turn's tokens get the outcome advantage (the estimator on
-    the groups' 0/1 outcomes) plus the group-normalized advantage of that turn's step reward; tool tokens get 0
-    (they are never trained)."""
-    outcome_adv = advantages(torch.stack([g.outcomes for g in groups])).tolist()  # [B][G]
+    """Per-token advantages [B][G][response tokens]: a model turn's tokens get the trajectory-level advantage (the
+    estimator on outcome + shaping, i.e. the total without the step rewards) plus the group-normalized advantage of
+    that turn's step reward; tool tokens get 0 (they are never trained)."""
+    levels = [[t.reward - sum(s for s in t.step_rewards if s is not None) for t in g.trajectories] for g in groups]
+    outcome_adv = advantages(torch.tensor(levels, dtype=torch.float32)).tolist()  # [B][G]
     out = []
     for group, outcome_row in zip(groups, outcome_adv):
         steps = turn_advantages([list(t.step_rewards) or [None] * len(t.turn_spans) for t in group.trajectories])

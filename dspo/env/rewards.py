@@ -11,8 +11,9 @@ from the model's own text) and returns, per episode, a `RewardResult`:
 - `components`: every named part, logged as `reward/<name>` (means over the round's sampled trajectories).
 
 The scalar the group advantage uses is `total = outcome + shaping + Σ step_rewards`. With `credit: turn`, a
-token-level objective credits each turn's tokens with the outcome advantage plus that turn's step-reward advantage
-instead (StepSearch's token-level process supervision; `dspo.data.buffer`).
+token-level objective credits each turn's tokens with the trajectory-level advantage (the estimator on outcome +
+shaping) plus the group-normalized advantage of that turn's step reward instead (StepSearch's token-level process
+supervision; `dspo.data.buffer`).
 """
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+import math
 from functools import partial
 from pathlib import Path
 
@@ -207,31 +208,37 @@ def test_collate_makes_integer_rewards_and_advantages_float():
 
 
 def test_turn_credit_gives_each_turns_tokens_its_own_advantage():
-    """Per-turn credit (env.reward.credit=turn): a turn's tokens get the outcome advantage (Eq. 10 on the 0/1
-    outcomes) + the group-normalized advantage of its step reward; tool tokens and the prompt get 0."""
-    from dspo.algorithms.advantages import turn_advantages
+    """Per-turn credit (env.reward.credit=turn): a turn's tokens get the trajectory-level advantage (Eq. 10 on outcome
+    + shaping) + the group-normalized advantage of its step reward; tool tokens and the prompt get 0. By hand."""
 
-    def trajectory(outcome, steps, spans, length):
+    def trajectory(outcome, shaping, steps, spans, length):
         mask = [0] * length
         for start, end in spans:
             mask[start:end] = [1] * (end - start)
-        total = outcome + sum(s for s in steps if s is not None)
+        total = outcome + shaping + sum(s for s in steps if s is not None)
         return Trajectory([1, 2], list(range(3, 3 + length)), mask, [0.0] * length, reward=total, outcome=outcome,
                           step_rewards=steps, turn_spans=spans)  # fmt: skip
 
-    a = trajectory(1.0, [0.5, None], [(0, 2), (4, 6)], 6)  # search turn, tool tokens 2-3, answer turn
-    b = trajectory(0.0, [-0.5, 0.25], [(0, 1), (3, 5)], 5)
-    group = RolloutGroup(QAItem(id="q", question="q?", golden_answers=["x"]), [a, b])
+    a = trajectory(1.0, 0.0, [0.5, None], [(0, 2), (4, 6)], 6)  # search turn, tool tokens 2-3, answer turn
+    b = trajectory(0.0, 0.0, [-0.5, 0.25], [(0, 1), (3, 5)], 5)
+    c = trajectory(0.0, 0.6, [None], [(0, 3)], 3)  # answered at once, wrong, with a shaping term
+    group = RolloutGroup(QAItem(id="q", question="q?", golden_answers=["x"]), [a, b, c])
     rnd = build_round([group], 1, 8, pad_token_id=0, policy_version=0, seed=0, credit="turn")
     (batch,) = rnd.minibatches[0]
     assert batch.advantages.shape == batch.loss_mask.shape  # [N, L]
-    outcome = group_advantages(torch.tensor([[1.0, 0.0]]))[0].tolist()  # ±0.7071
-    steps = turn_advantages([[0.5, None], [-0.5, 0.25]])
-    by_len = {int(batch.attention_mask[i].sum()): i for i in range(2)}
-    row_a, row_b = batch.advantages[by_len[8]], batch.advantages[by_len[7]]  # prompt 2 + response
-    expected_a = [0, 0] + [outcome[0] + steps[0][0]] * 2 + [0, 0] + [outcome[0]] * 2
-    expected_b = [0, 0] + [outcome[1] + steps[1][0]] + [0, 0] + [outcome[1] + steps[1][1]] * 2
+    # trajectory level [1, 0, 0.6]: mean 8/15, unbiased std sqrt(0.76/3) = 0.503322 -> (7/15, -8/15, 1/15) / std
+    std = math.sqrt(0.76 / 3) + 1e-6
+    level = [7 / 15 / std, -8 / 15 / std, 1 / 15 / std]
+    # steps [0.5, -0.5, 0.25] (None elsewhere): mean 1/12, unbiased std sqrt(0.291667) = 0.540062
+    sstd = math.sqrt((0.5 - 1 / 12) ** 2 / 2 + (0.5 + 1 / 12) ** 2 / 2 + (0.25 - 1 / 12) ** 2 / 2) + 1e-6
+    step = [(0.5 - 1 / 12) / sstd, (-0.5 - 1 / 12) / sstd, (0.25 - 1 / 12) / sstd]
+    by_len = {int(batch.attention_mask[i].sum()): i for i in range(3)}
+    row_a, row_b, row_c = (batch.advantages[by_len[n]] for n in (8, 7, 5))  # prompt 2 + response
+    expected_a = [0, 0] + [level[0] + step[0]] * 2 + [0, 0] + [level[0]] * 2
+    expected_b = [0, 0] + [level[1] + step[1]] + [0, 0] + [level[1] + step[2]] * 2
+    expected_c = [0, 0] + [level[2]] * 3
     torch.testing.assert_close(row_a, torch.tensor(expected_a, dtype=torch.float32))
     torch.testing.assert_close(row_b[:7], torch.tensor(expected_b, dtype=torch.float32))
+    torch.testing.assert_close(row_c[:5], torch.tensor(expected_c, dtype=torch.float32))
     trajectory_credit = build_round([group], 1, 8, pad_token_id=0, policy_version=0, seed=0)
     assert trajectory_credit.minibatches[0][0].advantages.dim() == 1  # the default: one per sequence, from the totals

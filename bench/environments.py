@@ -1,0 +1,196 @@
+"""The environments of issue 27 on the toy miniature: each `env=` example against `env=search`, over seeds.
+
+    python bench/environments.py --run                # train every setup below (3 seeds x 7, ~75 min on 2 cores)
+    python bench/environments.py --run --setups ikea  # one setup (its runs, then the report of what is there)
+    python bench/environments.py                      # report on the runs already in outputs/environments
+
+A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
+`outputs/environments/<setup>/` (`--root`); each run is the default 100 steps with its test at the end. The report
+prints, per setup, mean ± 95 % half-width over seeds (Student t, as `python -m dspo.ablation`):
+- validation subEM per question type at step 0 and at the last step, test subEM per type;
+- searches per trajectory (`rollout/calls/<tool>` summed over the tools) over the first and the last 10 rounds;
+- each setup's own signal over the first and the last 10 rounds: StepSearch's `reward/info_gain` and
+  `reward/redundancy`, IKEA's shaping (`reward/knowledge_boundary`), two sources' `reward/right_tool` (the share of
+  searches sent to the source that holds the hop's page), the simulator's `rollout/tool/search/noise_probability`.
+JSON: `outputs/bench/environments.json` (or `--out`; `--update-shipped`: the tracked `bench/results/environments.json`
+and the README's figure `docs/environments.png`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy default + these)
+    "search": [],
+    "stepsearch": ["env=stepsearch"],
+    "dapo_search": ["algorithm=dapo"],
+    "dapo_stepsearch_turn": ["algorithm=dapo", "env=stepsearch", "env.reward.credit=turn"],
+    "ikea": ["env=ikea"],
+    "two_sources": ["env=two_sources"],
+    "simulated": ["env=simulated"],
+}
+TYPES = ("toy_1hop", "toy_2hop")
+SIGNALS = (
+    "reward/info_gain",
+    "reward/redundancy",
+    "reward/knowledge_boundary",
+    "reward/right_tool",
+    "rollout/tool/search/noise_probability",
+)
+WINDOW = 10  # rounds averaged at the start and at the end of a run
+
+
+def train(setups: list[str], root: Path, seeds: str) -> None:
+    for name in setups:
+        out = root / name
+        if out.exists() and any(out.glob("*/metrics.yaml")):
+            print(f"[{name}] runs already in {out}: skipped (delete the folder to train again)", flush=True)
+            continue
+        cmd = ["dspo-train", "-m", f"seed={seeds}", *SETUPS[name], f"hydra.sweep.dir={out}"]
+        print(f"[{name}] {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, check=True)
+
+
+def window_means(series, rounds: int = WINDOW) -> tuple[float, float]:
+    values = series.dropna().tolist()
+    if not values:
+        return math.nan, math.nan
+    return sum(values[:rounds]) / len(values[:rounds]), sum(values[-rounds:]) / len(values[-rounds:])
+
+
+def run_numbers(run) -> dict[str, float]:
+    from dspo.analysis import load_scalars
+
+    scalars = load_scalars(run.dir)
+    by_tag = {tag: frame.sort_values("step").set_index("step")["value"] for tag, frame in scalars.groupby("tag")}
+    numbers: dict[str, float] = {}
+    for kind in TYPES:
+        val = by_tag.get(f"val/{kind}/subem")
+        if val is not None and len(val):
+            numbers[f"val_{kind}_start"], numbers[f"val_{kind}_end"] = float(val.iloc[0]), float(val.iloc[-1])
+        test = by_tag.get(f"test/{kind}/subem")
+        if test is not None and len(test):
+            numbers[f"test_{kind}"] = float(test.iloc[-1])
+    calls = [series for tag, series in by_tag.items() if tag.startswith("rollout/calls/")]
+    if calls:
+        numbers["searches_start"], numbers["searches_end"] = window_means(sum(calls))
+    for tag in SIGNALS:
+        if tag in by_tag:
+            start, end = window_means(by_tag[tag])
+            numbers[f"{tag}@start"], numbers[f"{tag}@end"] = start, end
+    return numbers
+
+
+def report(root: Path, setups: list[str]) -> dict:
+    from dspo.ablation import ci95
+    from dspo.analysis import find_runs
+
+    result: dict[str, dict] = {}
+    for name in setups:
+        try:
+            runs = [r for r in find_runs(root / name) if (r.dir / "metrics.yaml").exists()]
+        except FileNotFoundError:
+            continue
+        per_run = [run_numbers(r) for r in runs]
+        keys = sorted({k for numbers in per_run for k in numbers})
+        summary = {k: ci95([n.get(k, math.nan) for n in per_run]) for k in keys}
+        seeds = [r.seed for r in runs]
+        result[name] = {"overrides": SETUPS[name], "seeds": seeds, "runs": per_run, "mean_ci95": summary}
+    return result
+
+
+def print_report(result: dict) -> None:
+    columns = [
+        ("val 1-hop 0 -> end", "val_toy_1hop_start", "val_toy_1hop_end"),
+        ("val 2-hop 0 -> end", "val_toy_2hop_start", "val_toy_2hop_end"),
+        ("searches/traj first -> last 10 rounds", "searches_start", "searches_end"),
+    ]
+    print(f"{'setup':<22} {'n':>2}  " + "  ".join(f"{c[0]:<36}" for c in columns) + "  test 1-hop / 2-hop")
+    for name, entry in result.items():
+        s = entry["mean_ci95"]
+        cells = []
+        for _, a, b in columns:
+            cells.append(f"{_pm(s.get(a))} -> {_pm(s.get(b))}".ljust(36))
+        test = f"{_pm(s.get('test_toy_1hop'))} / {_pm(s.get('test_toy_2hop'))}"
+        print(f"{name:<22} {len(entry['runs']):>2}  " + "  ".join(cells) + f"  {test}")
+    for name, entry in result.items():
+        s = entry["mean_ci95"]
+        signals = [t for t in SIGNALS if f"{t}@start" in s]
+        for tag in signals:
+            print(f"{name:<22} {tag:<40} first 10 rounds {_pm(s[f'{tag}@start'])} -> last 10 {_pm(s[f'{tag}@end'])}")
+
+
+def _pm(pair) -> str:
+    if pair is None or math.isnan(pair[0]):
+        return "-"
+    mean, half = pair
+    return f"{mean:.3f}" if math.isnan(half) else f"{mean:.3f} ± {half:.3f}"
+
+
+def plot(root: Path, result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dspo.analysis import curves, find_runs
+
+    panels = [
+        ("StepSearch: 2-hop validation", "val/toy_2hop/subem", [*SETUPS][:4]),  # dspo, dapo: with and without
+        ("IKEA: searches per trajectory", "rollout/calls/search", ["search", "ikea"]),
+        ("two sources: share of searches to the right source", "reward/right_tool", ["two_sources"]),
+        ("simulated search: validation subEM", "val/subem_mean", ["search", "simulated"]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
+    for ax, (title, tag, names) in zip(axes, panels):
+        for name in (n for n in names if n in result):
+            frame = curves([r for r in find_runs(root / name)], tag)
+            if frame.empty:
+                continue
+            n = int(frame["n"].max())
+            color = f"C{list(SETUPS).index(name)}"  # one color per setup in every panel
+            ax.plot(frame["step"], frame["mean"], color=color, label=f"{name} (n={n})")
+            ax.fill_between(frame["step"], frame["min"], frame["max"], color=color, alpha=0.15)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"figure: {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", action="store_true", help="train the setups first (skips a setup whose runs exist)")
+    parser.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    parser.add_argument("--seeds", default="0,1,2", help="the multirun's seed list (default 0,1,2)")
+    parser.add_argument("--root", type=Path, default=Path("outputs") / "environments")
+    parser.add_argument("--figure", type=Path, default=None, help="the curves' figure (default: beside the JSON)")
+    add_output_arguments(parser, "environments.json")
+    args = parser.parse_args(argv)
+    out = output_path(parser, args, "environments.json")
+    root = args.root.resolve()
+    if args.run:
+        train(args.setups, root, args.seeds)
+    result = report(root, args.setups)
+    if not result:
+        sys.exit(f"no finished runs under {root}: train them with --run (see --help)")
+    print_report(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"JSON: {out}")
+    figure = args.figure or (ROOT / "docs" / "environments.png" if args.update_shipped else out.with_suffix(".png"))
+    plot(root, result, figure)
+
+
+if __name__ == "__main__":
+    main()
