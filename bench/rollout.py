@@ -37,20 +37,21 @@ GOAL = 10.0  # issue 17: vLLM's generated tokens/s at least 10x the HF engine's
 
 
 def toy_workload(work: str, questions: int):
-    """(model dir, items, retriever, AgentConfig, temperature) of the toy default, shipped warm start adopted."""
+    """(model dir, items, environment, AgentConfig, temperature) of the toy default (its `env` group, as `dspo-train`
+    builds it), shipped warm start adopted."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
     import dspo  # noqa: F401  registers the config resolvers
     from dspo.data.qa import load_qa
-    from dspo.toy.warmstart import toy_retriever
     from dspo.train import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["output_dir=/tmp", f"paths.toy_root={work}/toy"])
     world, model_dir = instantiate(cfg.prepare.toyworld)
     items = load_qa(world.train, benchmark="toy", limit=questions)
-    return model_dir, items, toy_retriever(world), instantiate(cfg.rollout.agent), float(cfg.algorithm.temperature)
+    env = instantiate(cfg.env)  # the search tool over the world's BM25 index + subEM
+    return model_dir, items, env, instantiate(cfg.rollout.agent), float(cfg.algorithm.temperature)
 
 
 def random_workload(work: str, questions: int, args: argparse.Namespace):

@@ -366,10 +366,10 @@ class SearchAgent:
             for key in sorted({k for m in measured for k in m}):
                 values = [m[key] for m in measured if key in m]
                 stats[f"tool/{tool}/{key}"] = sum(values) / len(values)
-        components = sorted({key for t in trajectories for key in t.reward_components})
-        stats.update(
-            {f"reward/{k}": sum(t.reward_components.get(k, 0.0) for t in trajectories) / n for k in components}
-        )
+        for key in sorted({key for t in trajectories for key in t.reward_components}):
+            # over the trajectories that report it (every one, for the shipped rewards but two sources' right_tool)
+            values = [t.reward_components[key] for t in trajectories if key in t.reward_components]
+            stats[f"reward/{key}"] = sum(values) / len(values)
         return stats
 
 

@@ -31,11 +31,11 @@ _DOC_HEADER = re.compile(r"Doc \d+ \(Title: [^)]*\)\s*")  # the agent's passage 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
-def tool_call_text(query: str, think: str, tag_format: str = "qwen") -> str:
-    """An assistant turn that calls the search tool with one query, in the agent's `tag_format`."""
+def tool_call_text(query: str, think: str, tag_format: str = "qwen", tool: str = "search") -> str:
+    """An assistant turn that calls the search tool `tool` with one query, in the agent's `tag_format`."""
     if tag_format == "searchr1":
-        return f"<think>{think}</think>\n<search> {query} </search>"
-    call = json.dumps({"name": "search", "arguments": {"query_list": [query]}})
+        return f"<think>{think}</think>\n<{tool}> {query} </{tool}>"
+    call = json.dumps({"name": tool, "arguments": {"query_list": [query]}})
     return f"<think>{think}</think>\n<tool_call>\n{call}\n</tool_call>"
 
 
@@ -57,6 +57,21 @@ class ScriptedPolicy:
     kind: str
     rng: random.Random
     tag_format: str = "qwen"  # AgentConfig.tag_format: "qwen" (<tool_call> JSON) or "searchr1" (<search> q </search>)
+    # env=two_sources (dspo.toy.sources): {tool: entity types its source holds}; each hop asks the source holding its
+    # page with probability `right_tool_share`, else another one (whose results then lack the fact). None: `search`
+    sources: dict | None = None
+    right_tool_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.hop_tools = ["search"] * len(self.item.metadata["chain"])
+        if self.sources:  # drawn once, so every turn of the episode agrees (and nothing is drawn without sources)
+            from dspo.toy.sources import chain_types, source_of
+
+            for hop, kind in enumerate(chain_types(self.item.metadata)):
+                right = source_of(kind, self.sources)
+                others = sorted(tool for tool in self.sources if tool != right)
+                wrong = self.rng.random() >= self.right_tool_share and others
+                self.hop_tools[hop] = self.rng.choice(others) if wrong else right
 
     def __call__(self, observations: Sequence[str]) -> str:
         meta = self.item.metadata
@@ -64,10 +79,11 @@ class ScriptedPolicy:
         if self.kind == "no_search":
             return answer_text(self._guess(relations[-1]), "I think I know this.")
         if self.kind == "malformed":
+            tool = self.hop_tools[0]
             if not observations and self.tag_format == "searchr1":  # a call without its opening tag
-                return f"<think>Search for {chain[0]}.</think>\n{chain[0]} </search>"
+                return f"<think>Search for {chain[0]}.</think>\n{chain[0]} </{tool}>"
             if not observations:  # a call whose JSON does not parse (missing closing brace)
-                broken = json.dumps({"name": "search", "arguments": {"query_list": [chain[0]]}})[:-1]
+                broken = json.dumps({"name": tool, "arguments": {"query_list": [chain[0]]}})[:-1]
                 return f"<think>Search for {chain[0]}.</think>\n<tool_call>\n{broken}\n</tool_call>"
             return answer_text(self._guess(relations[-1]), "The search failed, so I will guess.")
         return self._hop(observations, chain, relations)
@@ -77,7 +93,7 @@ class ScriptedPolicy:
         entity = chain[0]
         for step, rel in enumerate(relations):
             if step >= len(observations):  # only the first search: later ones follow the evidence (below)
-                return tool_call_text(entity, _plan(relations[step:], entity), self.tag_format)
+                return tool_call_text(entity, _plan(relations[step:], entity), self.tag_format, self.hop_tools[step])
             value = self.world[entity][rel]
             fact = evidence(observations[step], entity, value)
             if fact is None:  # the passage was not retrieved: say so, never answer from memory
@@ -91,7 +107,8 @@ class ScriptedPolicy:
             if last:
                 return answer_text(value, fact)
             if step + 1 >= len(observations):
-                return tool_call_text(value, f"{fact} {_plan(relations[step + 1 :], value)}", self.tag_format)
+                think = f"{fact} {_plan(relations[step + 1 :], value)}"
+                return tool_call_text(value, think, self.tag_format, self.hop_tools[step + 1])
             entity = value
         raise AssertionError("unreachable: every relation step returns")
 
@@ -179,11 +196,14 @@ def make_script(
     early_stop_share: float = 0.0,
     imperfect_kinds: Sequence[str] = IMPERFECT_KINDS,
     hop2_imperfect_share: float | None = None,
+    sources: dict | None = None,
+    right_tool_share: float = 1.0,
 ) -> ScriptedPolicy:
     """The scripted policy for `item` (a toy-world question; its metadata holds `chain` and `relations`).
 
     `world_meta` is `dspo.toy.world.load_world_meta(files)`. The policy's kind is drawn from `rng` (`choose_kind`),
-    with `hop2_imperfect_share` instead of `imperfect_share` for multi-hop questions when it is given.
+    with `hop2_imperfect_share` instead of `imperfect_share` for multi-hop questions when it is given. `sources` and
+    `right_tool_share`: env=two_sources (see ScriptedPolicy).
     """
     meta = item.metadata
     if "relations" not in meta or "chain" not in meta:
@@ -194,5 +214,11 @@ def make_script(
     share = imperfect_share if hop2_imperfect_share is None or hops == 1 else hop2_imperfect_share
     kind = choose_kind(rng, share, hops, early_stop_share, imperfect_kinds)
     return ScriptedPolicy(
-        item=item, world=world_meta, kind=kind, rng=random.Random(rng.random()), tag_format=tag_format
+        item=item,
+        world=world_meta,
+        kind=kind,
+        rng=random.Random(rng.random()),
+        tag_format=tag_format,
+        sources=sources,
+        right_tool_share=right_tool_share,
     )

@@ -89,11 +89,11 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     from dspo.data.qa import load_qa
     from dspo.rollout.agent import SearchAgent
     from dspo.toy.tokenizer import load_tokenizer
-    from dspo.toy.warmstart import toy_retriever
 
-    cfg = compose_train(overrides)
+    cfg = compose_train([f"paths.toy_root={Path(world.root).parent}", *overrides])
+    env = instantiate(cfg.env)  # the run's environment over this world (its retriever group's index)
     engine = instantiate(cfg.rollout.engine)(model_path=model_dir)
-    agent = SearchAgent(engine, load_tokenizer(model_dir), toy_retriever(world), instantiate(cfg.rollout.agent))
+    agent = SearchAgent(engine, load_tokenizer(model_dir), env, instantiate(cfg.rollout.agent))
     report: dict[str, dict[str, float]] = {"train_sampled": {}, "val_greedy": {}, "train_mixed_groups": {}}
     train = load_qa(world.train, benchmark="toy", limit=questions)
     rewards, mixed, outcomes = defaultdict(list), defaultdict(list), []

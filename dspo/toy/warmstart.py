@@ -118,10 +118,14 @@ class WarmStartConfig:
     name_loss_weight: float = 5.0
     torch_threads: int | None = None  # None = leave torch's setting alone
     agent: dict = field(default_factory=dict)
+    # env=two_sources (dspo.toy.sources): {tool: entity types its source holds}; demonstrations then call the source
+    # that holds each hop's page with probability `right_tool_share` (room for RL to learn the choice). None: `search`
+    sources: dict | None = None
+    right_tool_share: float = 1.0
 
     def __post_init__(self) -> None:
         self.imperfect_kinds = list(check_imperfect_kinds(self.imperfect_kinds))
-        for name in ("imperfect_share", "early_stop_share", "hop2_imperfect_share"):
+        for name in ("imperfect_share", "early_stop_share", "hop2_imperfect_share", "right_tool_share"):
             share = getattr(self, name)
             if share is not None and not 0.0 <= share <= 1.0:
                 raise ValueError(f"WarmStartConfig.{name} must be in [0, 1], got {share}")
@@ -129,6 +133,16 @@ class WarmStartConfig:
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# fields added after the shipped warm start was built: left out of its key at their defaults, so that the shipped
+# model (data/toy_warmstart) still matches the default config
+_LATER_FIELDS = {"sources": None, "right_tool_share": 1.0}
+
+
+def config_key(config: WarmStartConfig) -> str:
+    fields = asdict(config)
+    return _digest({k: v for k, v in fields.items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]})
 
 
 def _file_digest(path: str | Path) -> str:
@@ -204,14 +218,26 @@ def render_demonstrations(
     early_stop_share: float = 0.0,
     imperfect_kinds: Sequence[str] = IMPERFECT_KINDS,
     hop2_imperfect_share: float | None = None,
+    sources: dict | None = None,
+    right_tool_share: float = 1.0,
 ) -> list[Trajectory]:
-    """One scripted trajectory per item, rendered by `SearchAgent` with a `ScriptedEngine` (exact ids and masks)."""
+    """One scripted trajectory per item, rendered by `SearchAgent` with a `ScriptedEngine` (exact ids and masks).
+    `retriever`: a Retriever (the default search environment) or a `dspo.env.Environment` (e.g. two sources')."""
     rng = random.Random(seed)
     tag_format = (agent_overrides or {}).get("tag_format", "qwen")
     scripts = [
         make_script(
-            item, world_meta, rng, imperfect_share, tag_format, early_stop_share, imperfect_kinds, hop2_imperfect_share
-        )
+            item,
+            world_meta,
+            rng,
+            imperfect_share,
+            tag_format,
+            early_stop_share,
+            imperfect_kinds,
+            hop2_imperfect_share,
+            sources,
+            right_tool_share,
+        )  # fmt: skip
         for item in items
     ]
 
@@ -243,7 +269,7 @@ def warm_start(
     config = config or WarmStartConfig()
     out = Path(output_dir)
     key = {
-        "config": _digest(asdict(config)),
+        "config": config_key(config),
         "world": _file_digest(world.corpus) + _file_digest(world.demo),
         "tokenizer": _file_digest(Path(tokenizer_dir) / "tokenizer.json"),
     }
@@ -272,18 +298,18 @@ def warm_start(
 
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     items = load_qa(world.demo, benchmark="toy", limit=config.num_demos)
-    retriever = toy_retriever(world)
     world_meta = load_world_meta(world)
     words, pieces = load_name_words(world), name_pieces(world)
+    passages = load_corpus(world.corpus)
 
     def render(subset: list[QAItem], meta: dict[str, dict], index: BM25Index, seed: int) -> list[Trajectory]:
+        env = demo_environment(index, meta, config)
         return render_demonstrations(
-            subset, meta, tokenizer, index, config.imperfect_share, seed, config.agent, config.early_stop_share,
-            config.imperfect_kinds, config.hop2_imperfect_share,
+            subset, meta, tokenizer, env, config.imperfect_share, seed, config.agent, config.early_stop_share,
+            config.imperfect_kinds, config.hop2_imperfect_share, config.sources, config.right_tool_share,
         )  # fmt: skip
 
-    demos = render(items, world_meta, retriever, config.seed)
-    passages = load_corpus(world.corpus)
+    demos = render(items, world_meta, toy_retriever(world), config.seed)
     rng = random.Random(config.seed)
     hop2_items = [item for item in items if int(item.metadata["hops"]) > 1]
     # the same demo facts under fresh names (dspo.toy.renaming): every question, then the 2-hop ones only
@@ -318,6 +344,20 @@ def warm_start(
     }
     (out / MANIFEST).write_text(json.dumps({"key": key, "config": asdict(config), "stats": stats}, indent=2))
     return str(out)
+
+
+def demo_environment(index: BM25Index, world_meta: dict[str, dict], config: WarmStartConfig):
+    """What the demonstrations search: `index` (the default search tool), or with `config.sources` the sources
+    (dspo.toy.sources) over the same passages, with the search limits of `config.agent`."""
+    if not config.sources:
+        return index
+    from dspo.toy.sources import source_environment
+
+    agent = AgentConfig(**config.agent)
+    limits = {key: getattr(agent, key) for key in ("topk", "max_queries_per_call", "max_query_chars")}
+    return source_environment(
+        index.passages, world_meta, max_answer_words=agent.max_answer_words, sources=config.sources, **limits
+    )
 
 
 def toy_retriever(world: ToyWorldFiles) -> BM25Index:

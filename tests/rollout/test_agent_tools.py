@@ -143,3 +143,29 @@ def test_a_reward_with_the_wrong_number_of_step_rewards_is_refused(qwen_tokenize
     runner = agent(qwen_tokenizer, retriever, [[ANSWER]], reward=Broken())
     with pytest.raises(RuntimeError, match="3 step rewards for 1 turns"):
         runner.rollout([PARIS], group_size=1, policy_version=0)
+
+
+class CalcShareReward(SubEMReward):
+    """subEM + `calc_share` (the share of calls to calc), reported only by episodes that made a call."""
+
+    def score(self, episodes):
+        results = super().score(episodes)
+        for episode, result in zip(episodes, results):
+            if episode.searches:
+                result.components["calc_share"] = sum(t.call[0] == "calc" for t in episode.searches) / len(
+                    episode.searches
+                )
+        return results
+
+
+def test_a_component_is_averaged_over_the_trajectories_that_report_it(qwen_tokenizer, retriever):
+    scripts = [
+        [call("calc", {"expression": "1"}), call("search", {"query_list": ["France"]}), ANSWER],  # 1/2
+        [call("calc", {"expression": "2"}), ANSWER],  # 1
+        [ANSWER],  # no call: no calc_share (a 0 here would read as "called the wrong tool")
+    ]
+    runner = agent(qwen_tokenizer, retriever, scripts, reward=CalcShareReward())
+    trajectories = runner.rollout([PARIS], group_size=3, policy_version=0)[0].trajectories
+    assert [t.reward_components.get("calc_share") for t in trajectories] == [0.5, 1.0, None]
+    assert runner.last_stats["reward/calc_share"] == pytest.approx(0.75)
+    assert runner.last_stats["reward/subem"] == 1.0
