@@ -2,6 +2,7 @@
 
     python bench/train_step.py [--groups 8] [--group-size 5] [--micro-batch-size 8] [--repeats 3]
                                [--hidden-size 192 --num-layers 3 --num-heads 3] [--device cpu|cuda]
+                               [--micro-batch-tokens N] [--vocab toy|qwen]
 
 What one step is: the work `DSPOModule.training_step` does for one mini-batch with M = 1 (fully on-policy): for every
 micro-batch, logprobs at the trained positions (`masked_token_logprobs`, LM head in chunks), the DSPO sequence-level
@@ -14,7 +15,11 @@ BM25 over the toy corpus: 1- and 2-hop questions, tool turns spliced as in RL), 
 vary as in a rollout. Two layouts of the same round are compared, alternated:
 - `bucketed`: dspo's `build_round` (shuffle, then sort the mini-batch by length before cutting micro-batches; each
   micro-batch is padded only to its own longest sequence);
-- `random`: the same micro-batch size, sequences in shuffled order (what a plain DataLoader would give).
+- `random`: the same micro-batch size, sequences in shuffled order (what a plain DataLoader would give);
+- `tokens`: packed longest first into micro-batches of at most `--micro-batch-tokens` padded tokens
+  (`algorithm.micro_batch_tokens`; default: the micro-batch size x the round's median length, the same mean budget).
+`--vocab qwen` redraws every token id from Qwen2.5's 151k vocabulary (same lengths, masks and turns) and builds the
+random model on that tokenizer: the LM head then dominates, as in real runs.
 
 Against the machine's limit: the same run measures this machine's float32 matmul rate (`torch.mm` on the shapes of the
 step's largest products: the LM head's and the MLP's, at the micro-batch's row count, and a square 2048 product; the
@@ -106,8 +111,27 @@ def as_groups(trajectories: list, group_size: int) -> list:
     return groups
 
 
-def layouts(groups: list, micro_batch_size: int, pad_id: int, seed: int) -> dict[str, list]:
-    """Micro-batches of one round as dspo builds them (`bucketed`) and in shuffled order (`random`)."""
+def with_vocabulary(trajectories: list, vocab_size: int, seed: int) -> list:
+    """The same trajectories (lengths, masks, turns) with token ids drawn at random from `vocab_size` ids: a large
+    vocabulary's cost on a real rollout's length distribution."""
+    from dataclasses import replace
+
+    rng = random.Random(seed)
+    return [
+        replace(
+            t,
+            prompt_ids=[rng.randrange(vocab_size) for _ in t.prompt_ids],
+            response_ids=[rng.randrange(vocab_size) for _ in t.response_ids],
+        )
+        for t in trajectories
+    ]
+
+
+def layouts(
+    groups: list, micro_batch_size: int, pad_id: int, seed: int, micro_batch_tokens: int | None = None
+) -> dict[str, list]:
+    """Micro-batches of one round as dspo builds them (`bucketed`), in shuffled order (`random`), and packed by a token
+    budget (`tokens`, algorithm.micro_batch_tokens) when one is given."""
     import torch
 
     from dspo.algorithms import group_advantages
@@ -119,7 +143,11 @@ def layouts(groups: list, micro_batch_size: int, pad_id: int, seed: int) -> dict
     random.Random(seed).shuffle(flat)
     parts = [flat[i : i + micro_batch_size] for i in range(0, len(flat), micro_batch_size)]
     shuffled = [collate_trajectories([t for t, _ in p], [a for _, a in p], pad_id, 0) for p in parts]
-    return {"bucketed": bucketed, "random": shuffled}
+    out = {"bucketed": bucketed, "random": shuffled}
+    if micro_batch_tokens:
+        packed = build_round(groups, 1, micro_batch_size, pad_id, 0, seed, micro_batch_tokens=micro_batch_tokens)
+        out["tokens"] = packed.minibatches[0]
+    return out
 
 
 def matmul_rate(device: str, shapes: list[tuple[int, int, int]], repeats: int = 5) -> dict[str, float]:
@@ -215,6 +243,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=0,
+        help="also the token-budget layout (algorithm.micro_batch_tokens); default: micro-batch size x the round's "
+        "median length (the same mean budget); -1: leave it out",
+    )
+    parser.add_argument(
+        "--vocab",
+        choices=["toy", "qwen"],
+        default="toy",
+        help="qwen: a random model with Qwen2.5's 151k vocabulary on the same trajectories (ids redrawn)",
+    )
     add_output_arguments(parser, "train_step.json", flag="--output")
     args = parser.parse_args(argv)
     args.output = output_path(parser, args, "train_step.json", flag="--output")
@@ -236,9 +277,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dspo-bench-step-") as tmp:
         work = Path(tmp)
         trajectories, tokenizer = toy_trajectories(work, args.groups * args.group_size, args.seed)
+        tokenizer_dir = str(work / "tokenizer")
+        if args.vocab == "qwen":
+            from transformers import AutoTokenizer
+
+            tokenizer_dir = str(Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "qwen2.5")
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            trajectories = with_vocabulary(trajectories, len(tokenizer), args.seed)
         groups = as_groups(trajectories, args.group_size)
         model_dir = build_tiny_model(
-            str(work / "tokenizer"),
+            tokenizer_dir,
             str(work / "model"),
             hidden_size=args.hidden_size,
             num_layers=args.num_layers,
@@ -249,7 +297,10 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).train()
         model.config.use_cache = False
     optimizer = build_adamw(list(model.parameters()), OptimizerConfig(lr=1e-6))  # as DSPOModule builds it
-    variants = layouts(groups, args.micro_batch_size, tokenizer.pad_token_id, args.seed)
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    budget = args.micro_batch_tokens or int(args.micro_batch_size * statistics.median(lengths))
+    args.micro_batch_tokens = None if budget < 0 else budget
+    variants = layouts(groups, args.micro_batch_size, tokenizer.pad_token_id, args.seed, args.micro_batch_tokens)
     flops = {name: step_flops(model, optimizer, micro, args.device) for name, micro in variants.items()}
     rows = max(int(b.loss_mask.sum()) for b in variants["bucketed"])  # LM head rows of the largest micro-batch
     tokens = max(b.attention_mask.numel() for b in variants["bucketed"])
@@ -269,7 +320,6 @@ def main() -> None:
         s["flops"] = flops[name]
         s["achieved_flops_per_s"] = flops[name] / s["seconds"]
         s["efficiency"] = s["achieved_flops_per_s"] / limit
-    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     report = {
         "machine": _machine(args.device),
         "args": vars(args),
@@ -284,14 +334,19 @@ def main() -> None:
     print(
         f"\n{args.groups} groups x {args.group_size} = {len(trajectories)} trajectories, lengths "
         f"{min(lengths)}-{max(lengths)} (median {statistics.median(lengths):.0f}), micro-batch {args.micro_batch_size},"
-        f" {report['parameters'] / 1e6:.2f}M parameters, {args.device}, median of {args.repeats}\n"
+        f" token budget {args.micro_batch_tokens}, {report['parameters'] / 1e6:.2f}M parameters, vocabulary "
+        f"{model.config.vocab_size:,}, {args.device}, median of {args.repeats}\n"
     )
     print("matmul rate (float32 torch.mm): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items()))
-    print("| layout | step | tokens/s (real) | computed tokens/s | padding | peak memory | GFLOP/s | efficiency |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| layout | micro-batches | step | tokens/s (real) | computed tokens/s | padding | peak memory | GFLOP/s "
+        "| efficiency |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, s in summary.items():
         print(
-            f"| {name} | {s['seconds']:.2f} s | {s['tokens_per_s']:,.0f} | {s['computed_tokens_per_s']:,.0f} | "
+            f"| {name} | {s['micro_batches']:.0f} | {s['seconds']:.2f} s | {s['tokens_per_s']:,.0f} | "
+            f"{s['computed_tokens_per_s']:,.0f} | "
             f"{100 * s['padding_share']:.1f} % | {s['peak_mib']:,.0f} MiB | {s['achieved_flops_per_s'] / 1e9:.1f} | "
             f"{s['efficiency']:.2f} |"
         )

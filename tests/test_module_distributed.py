@@ -104,3 +104,63 @@ def test_a_non_finite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) 
     assert [r["global_step"] for r in ranks] == [3, 3]
     for name, tensor in ranks[0]["weights"].items():
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
+
+
+class CountingMicroBatches(DSPOModule):
+    def training_step(self, slot, batch_idx):
+        self.counts = [*getattr(self, "counts", []), len(slot.micro_batches)]
+        self.shapes = [*getattr(self, "shapes", []), [tuple(b.input_ids.shape) for b in slot.micro_batches]]
+        return super().training_step(slot, batch_idx)
+
+
+def _token_budget_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dspo.testing import ScriptedAgent, attach, toy_run
+
+    class RankAgent(ScriptedAgent):  # each rank's own trajectories (lengths), as ranks sampling their own prompts get
+        def _group(self, item, group_size, policy_version, seed):
+            return super()._group(item, group_size, policy_version, (seed or 0) + 7919 * rank)
+
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+    os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})
+    kwargs = {"micro_batch_tokens": 20, "batch_groups": 4}  # each rank: 2 groups of 4, packed by tokens
+    run = toy_run(lm_dir, f"{root}/rank{rank}", 3, module_cls=CountingMicroBatches, **kwargs)
+    attach(run.callback, RankAgent(), run.engine, WORLD)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), max_steps=3,
+        callbacks=[run.callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
+    )  # fmt: skip
+    trainer.fit(run.module, datamodule=run.datamodule)
+    weights = {k: v.detach().clone() for k, v in run.module.policy.state_dict().items()}
+    torch.save({"counts": run.module.counts, "shapes": run.module.shapes, "weights": weights}, f"{root}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_token_budget_micro_batches_agree_in_number_across_ranks(tmp_path: Path) -> None:
+    """Issue 31 (1): packed by tokens, the ranks' own packings differ in count; DDP's per-backward all-reduce needs the
+    same number of backward passes on every rank, so they run the larger count (split micro-batches), and finish."""
+    from dspo.testing import build_toy_lm
+
+    lm_dir = build_toy_lm(str(tmp_path / "lm"))
+    context = mp.start_processes(
+        _token_budget_worker, args=(_free_port(), lm_dir, str(tmp_path)), nprocs=WORLD, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    try:
+        finished = any(context.join(timeout=0.5) for _ in range(240))
+        assert finished, "the two ranks did not finish: one ran more backward passes than the other"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert ranks[0]["counts"] == ranks[1]["counts"] and len(ranks[0]["counts"]) == 3
+    for shapes in ranks[0]["shapes"] + ranks[1]["shapes"]:
+        assert all(n * width <= 20 or n == 1 for n, width in shapes)
+    assert ranks[0]["shapes"] != ranks[1]["shapes"]  # different data, packed differently, the same number of passes
+    for name, tensor in ranks[0]["weights"].items():
+        assert torch.equal(tensor, ranks[1]["weights"][name]), name

@@ -32,6 +32,8 @@ class AlgorithmConfig:
     batch_groups: int = 8  # B: groups per round (all processes together)
     num_minibatches: int = 1  # M: optimizer steps per round (1 = fully on-policy)
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation inside a mini-batch)
+    # tokens per forward/backward instead (padded: sequences x the longest), packed longest first; None = by count
+    micro_batch_tokens: int | None = None
     kl_coef: float = 0.0  # β; 0 = no reference model is loaded
     kl_estimator: str = "k3"
     temperature: float = 1.0  # rollout sampling temperature; trainer logprobs use the same
@@ -69,6 +71,11 @@ class AlgorithmConfig:
             )
         if self.micro_batch_size < 1:
             fail("micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            fail(
+                "micro_batch_tokens",
+                f"must be >= 1 (or null: micro_batch_size sequences), got {self.micro_batch_tokens}",
+            )
         if self.kl_coef < 0:
             fail("kl_coef", f"must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:

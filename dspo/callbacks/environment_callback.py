@@ -100,6 +100,7 @@ class EnvironmentCallback(pl.Callback):
 
         "Changed" means the module's count of applied optimizer steps moved: a skipped (non-finite) step leaves the
         weights, hence the engine, as they were, and the next round is sampled from them."""
+        self._wake_engine()
         version = pl_module.weights_version
         if self._engine_weights == version:
             return
@@ -107,6 +108,27 @@ class EnvironmentCallback(pl.Callback):
         weights = policy_weights(root)
         self.engine.push_weights(weights, version=version)
         self._engine_weights = version
+
+    def _agree_counts(self, trainer: pl.Trainer, pl_module: pl.LightningModule):
+        """Token-packed micro-batches differ in number between ranks; every rank runs the most any rank has."""
+        if self.algo.micro_batch_tokens is None or trainer.world_size < 2:
+            return None
+
+        def agree(counts: list[int]) -> list[int]:
+            gathered = pl_module.all_gather(torch.tensor(counts, device=pl_module.device))  # [W, M]
+            return [int(n) for n in gathered.reshape(-1, len(counts)).max(dim=0).values]
+
+        return agree
+
+    def _sleep_engine(self) -> None:
+        """With `rollout.engine.sleep_during_update` (CUDA vLLM): the engine frees the GPU for the update (vLLM sleep
+        level 1: weights offloaded to host memory, KV cache dropped); `_sync_weights` wakes it before the push."""
+        if getattr(self.engine, "sleep_during_update", False) and not self.engine.asleep:
+            self.engine.sleep()
+
+    def _wake_engine(self) -> None:
+        if getattr(self.engine, "asleep", False):
+            self.engine.wake_up()
 
     # ------------------------------------------------------------------------------------------ training
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -148,8 +170,11 @@ class EnvironmentCallback(pl.Callback):
             seed=self.seed + version,
             advantages=self.algo.advantages,
             credit=getattr(env, "credit", "trajectory"),
+            micro_batch_tokens=self.algo.micro_batch_tokens,
+            agree_counts=self._agree_counts(trainer, pl_module),
         )
         self.cursor = 0
+        self._sleep_engine()  # the round is generated: the update may have the accelerator's memory
         stats["rollout/padding_share"] = self.current.stats["padding_share"]
         stats["rollout/policy_version"] = float(version)
         self.generated_tokens_total += stats["rollout/generated_tokens"]
@@ -200,6 +225,10 @@ class EnvironmentCallback(pl.Callback):
 
     on_validation_start = _eval_start
     on_test_start = _eval_start
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.training or getattr(trainer.state, "fn", None) == "fit":  # back to updating: asleep again
+            self._sleep_engine()
 
     def predict(self, items):
         from dspo.eval.pipeline import predict

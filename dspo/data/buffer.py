@@ -14,7 +14,7 @@ padding small without packing (packing would need varlen attention masks that vL
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +101,33 @@ def padding_share(batches: list[PolicyBatch]) -> float:
     return 0.0 if total == 0 else 1.0 - real / total
 
 
+def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths`, longest first, packed into micro-batches whose padded size (sequences x the longest) is
+    at most `budget` tokens; a sequence longer than the budget is a micro-batch of its own (verl's dynamic batch size).
+    """
+    parts: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if parts and (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= budget:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return parts
+
+
+def split_to(parts: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """`parts` split until there are `count` of them (the largest padded part of 2+ sequences halved first), so that
+    every data-parallel rank runs as many forward/backward passes (DDP and FSDP collectives must pair up)."""
+    parts = [list(p) for p in parts]
+    if count > sum(len(p) for p in parts):
+        raise ValueError(f"cannot split {sum(len(p) for p in parts)} sequences into {count} micro-batches")
+    while len(parts) < count:
+        splittable = [k for k, p in enumerate(parts) if len(p) > 1]
+        k = max(splittable, key=lambda k: len(parts[k]) * lengths[parts[k][0]])
+        half = len(parts[k]) // 2
+        parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
+    return parts
+
+
 def build_round(
     groups: list[RolloutGroup],
     num_minibatches: int,
@@ -110,9 +137,14 @@ def build_round(
     seed: int,
     advantages: Callable[[torch.Tensor], torch.Tensor] = group_advantages,
     credit: str = "trajectory",
+    micro_batch_tokens: int | None = None,
+    agree_counts: Callable[[list[int]], list[int]] | None = None,
 ) -> Round:
     """Advantages per group (`advantages`: rewards [B, G] -> [B, G], the configured estimator; Eq. 10 by default; or
-    per token with `credit="turn"`), shuffle, split into `num_minibatches`, bucket into micro-batches."""
+    per token with `credit="turn"`), shuffle, split into `num_minibatches`, bucket into micro-batches: of
+    `micro_batch_size` sequences, or with `micro_batch_tokens` packed by tokens (`pack_by_tokens`). `agree_counts`
+    maps this rank's micro-batch count per mini-batch to the counts every rank must run (their maximum; token packing
+    gives ranks different counts), and micro-batches are split to reach them."""
     if not groups:
         raise ValueError("build_round got no rollout groups")
     if credit == "turn":
@@ -132,16 +164,30 @@ def build_round(
         )
     random.Random(seed).shuffle(flat)
     per_minibatch = len(flat) // num_minibatches
-    minibatches = []
+    chunks, plans = [], []
     for m in range(num_minibatches):
         chunk = sorted(
             flat[m * per_minibatch : (m + 1) * per_minibatch],
             key=lambda x: len(x[0].prompt_ids) + len(x[0].response_ids),
         )
-        micro = [
-            collate_trajectories([t for t, _ in part], [a for _, a in part], pad_token_id, policy_version)
-            for part in (chunk[i : i + micro_batch_size] for i in range(0, len(chunk), micro_batch_size))
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t, _ in chunk]
+        if micro_batch_tokens is None:
+            plan = [
+                list(range(i, min(i + micro_batch_size, len(chunk)))) for i in range(0, len(chunk), micro_batch_size)
+            ]
+        else:
+            plan = pack_by_tokens(lengths, micro_batch_tokens)
+        chunks.append((chunk, lengths))
+        plans.append(plan)
+    if agree_counts is not None:
+        targets = agree_counts([len(plan) for plan in plans])
+        plans = [split_to(plan, lengths, n) for plan, (_, lengths), n in zip(plans, chunks, targets)]
+    minibatches = [
+        [
+            collate_trajectories([chunk[i][0] for i in part], [chunk[i][1] for i in part], pad_token_id, policy_version)
+            for part in plan
         ]
-        minibatches.append(micro)
+        for plan, (chunk, _) in zip(plans, chunks)
+    ]
     stats = {"padding_share": padding_share([b for mb in minibatches for b in mb])}
     return Round(groups=groups, minibatches=minibatches, policy_version=policy_version, stats=stats)

