@@ -122,6 +122,9 @@ class WarmStartConfig:
     # that holds each hop's page with probability `right_tool_share` (room for RL to learn the choice). None: `search`
     sources: dict | None = None
     right_tool_share: float = 1.0
+    # fine-tune this model (a folder with the same tokenizer, e.g. the shipped warm start) instead of a random one:
+    # it already reads and copies names, so a new call format takes a few hundred steps, not the whole recipe
+    init_model: str | None = None
 
     def __post_init__(self) -> None:
         self.imperfect_kinds = list(check_imperfect_kinds(self.imperfect_kinds))
@@ -137,12 +140,14 @@ def _digest(obj: object) -> str:
 
 # fields added after the shipped warm start was built: left out of its key at their defaults, so that the shipped
 # model (data/toy_warmstart) still matches the default config
-_LATER_FIELDS = {"sources": None, "right_tool_share": 1.0}
+_LATER_FIELDS = {"sources": None, "right_tool_share": 1.0, "init_model": None}
 
 
 def config_key(config: WarmStartConfig) -> str:
-    fields = asdict(config)
-    return _digest({k: v for k, v in fields.items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]})
+    fields = {k: v for k, v in asdict(config).items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
+    if config.init_model:  # the starting weights, not where they lie
+        fields["init_model"] = _file_digest(Path(config.init_model) / "model.safetensors")
+    return _digest(fields)
 
 
 def _file_digest(path: str | Path) -> str:
@@ -284,19 +289,24 @@ def warm_start(
         torch.set_num_threads(config.torch_threads)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(tokenizer_dir)
-    build_tiny_model(
-        tokenizer_dir,
-        str(out),
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        intermediate_size=config.intermediate_size,
-        seed=config.seed,
-    )
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    if config.init_model:
+        model = AutoModelForCausalLM.from_pretrained(
+            _check_init_model(config.init_model, tokenizer), dtype=torch.float32
+        )
+    else:
+        build_tiny_model(
+            tokenizer_dir,
+            str(out),
+            hidden_size=config.hidden_size,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            intermediate_size=config.intermediate_size,
+            seed=config.seed,
+        )
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     items = load_qa(world.demo, benchmark="toy", limit=config.num_demos)
     world_meta = load_world_meta(world)
     words, pieces = load_name_words(world), name_pieces(world)
@@ -344,6 +354,20 @@ def warm_start(
     }
     (out / MANIFEST).write_text(json.dumps({"key": key, "config": asdict(config), "stats": stats}, indent=2))
     return str(out)
+
+
+def _check_init_model(path: str, tokenizer) -> str:
+    """`WarmStartConfig.init_model`, checked: a model folder whose tokenizer is this world's."""
+    folder = Path(path)
+    if not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(f"prepare.toyworld.config.init_model: no model.safetensors in {folder}")
+    if not (folder / "tokenizer.json").is_file() or load_tokenizer(str(folder)).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"prepare.toyworld.config.init_model: {folder} was trained with another tokenizer than this world's (or "
+            "has none); "
+            "start from a model of the same toy world (the shipped warm start) or set init_model=null"
+        )
+    return str(folder)
 
 
 def demo_environment(index: BM25Index, world_meta: dict[str, dict], config: WarmStartConfig):

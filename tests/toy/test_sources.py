@@ -111,3 +111,31 @@ def test_source_tools_from_the_yaml_cache_their_corpus_and_index(toy, tmp_path: 
     assert hit.title == person
     assert env.tools["search_places"].retriever.search([person], 1)[0][0].title != person
     assert toy_retriever(world) is not None  # the one-source index still builds beside them
+
+
+def test_a_warm_start_from_another_model_with_the_two_sources(toy, tmp_path: Path) -> None:
+    """env=two_sources fine-tunes the shipped warm start (`init_model`) on demonstrations with both tools; a model of
+    another tokenizer is refused by name."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from dspo.testing import build_toy_lm
+    from dspo.toy.warmstart import warm_start
+
+    world, tok_dir = toy
+    small = WarmStartConfig(
+        num_demos=8, hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128, steps=2, batch_size=4,
+        recall_curriculum=[], warmup_steps=1, demo_renamings=0, agent=SEARCHR1,
+    )  # fmt: skip
+    base = warm_start(str(tmp_path / "base"), world, tok_dir, small)
+    tuned_config = replace(small, init_model=base, sources={k: list(v) for k, v in sources.SOURCES.items()})
+    tuned = warm_start(str(tmp_path / "tuned"), world, tok_dir, tuned_config)
+    before, after = load_file(f"{base}/model.safetensors"), load_file(f"{tuned}/model.safetensors")
+    assert before.keys() == after.keys() and any(not before[k].equal(after[k]) for k in before)
+    assert config_key(tuned_config) != config_key(replace(tuned_config, init_model=None))
+    manifest = json.loads((Path(tuned) / "warmstart_manifest.json").read_text())
+    assert manifest["stats"]["demos"] == 8
+    other = build_toy_lm(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="init_model: .* was trained with another tokenizer"):
+        warm_start(str(tmp_path / "bad"), world, tok_dir, replace(tuned_config, init_model=other))
