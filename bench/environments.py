@@ -1,6 +1,6 @@
 """The environments of issue 27 on the toy miniature: each `env=` example against `env=search`, over seeds.
 
-    python bench/environments.py --run                # train every setup below (3 seeds x 7, ~75 min on 2 cores)
+    python bench/environments.py --run                # train every setup below (3 seeds x 7, ~3.3 min a run on 2 cores)
     python bench/environments.py --run --setups ikea  # one setup (its runs, then the report of what is there)
     python bench/environments.py                      # report on the runs already in outputs/environments
 

@@ -184,18 +184,18 @@ def optimizer_step(model, optimizer, micro_batches: list, device: str) -> None:
     """One DSPO optimizer step over `micro_batches` (the module's computation, see the module docstring)."""
     import torch
 
-    from dspo.algorithms.losses import loss_normalizer, policy_loss
+    from dspo.algorithms.losses import OBJECTIVES, loss_normalizer, policy_loss
     from dspo.models.logprobs import masked_token_logprobs
 
     micro = [b.to(device) for b in micro_batches]
     num_sequences = sum(len(b) for b in micro)
     num_tokens = float(sum(b.loss_mask.sum() for b in micro))
-    normalizer = loss_normalizer("dspo", num_sequences, num_tokens)
+    normalizer = loss_normalizer(OBJECTIVES["dspo"].normalizer_unit, num_sequences, num_tokens)
     for batch in micro:
         logprobs, _ = masked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
         loss, _ = policy_loss(
-            "dspo", logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, 3e-4, 4e-4, normalizer=normalizer
-        )
+            "dspo", logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, normalizer=normalizer
+        )  # dspo's own clip range (3e-4, 4e-4)
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dspo.algorithms.losses import loss_normalizer, policy_loss
+from dspo.algorithms.losses import OBJECTIVES, loss_normalizer, policy_loss
 from dspo.models.fsdp import clip_grad_norm, shard_for_logprobs
 from dspo.models.logprobs import masked_token_logprobs
 from dspo.models.weights import policy_weights
@@ -83,7 +83,7 @@ def _step(lm, runner, data, rows: slice, world: int, objective: str, max_norm: f
     tokens = mask.sum()
     if world > 1:
         dist.all_reduce(tokens)
-    normalizer = loss_normalizer(objective, ids.shape[0], float(tokens), world)
+    normalizer = loss_normalizer(OBJECTIVES[objective].normalizer_unit, ids.shape[0], float(tokens), world)
     logprobs, _ = runner(ids, attention, mask, temperature=0.9, chunk_size=5)
     old = logprobs.detach() + data["old_shift"][rows]
     loss, _ = policy_loss(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def wandb_scalars_and_config(run_dir: Path) -> tuple[set[str], dict]:
 def mlflow_scalars_and_params(store: Path) -> tuple[set[str], dict]:
     from mlflow.tracking import MlflowClient
 
+    # MLflow 3 reads folder stores only with this set (dspo.loggers sets it for training; a reader needs it too)
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=f"file:{store}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "dspo"]
     (run,) = client.search_runs([experiment.experiment_id])
