@@ -42,6 +42,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _run_ranks(worker, lm_dir: str, root: Path, hang: str) -> list[dict]:
+    """`worker(rank, port, lm_dir, root)` on WORLD spawned processes under a 2-minute deadline (a run of 3 steps takes
+    seconds; a hang never finishes); returns what each rank saved to `root/rank<r>.pt`."""
+    context = mp.start_processes(
+        worker, args=(_free_port(), lm_dir, str(root)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    try:
+        finished = any(context.join(timeout=0.5) for _ in range(240))
+        assert finished, f"the two ranks did not finish: {hang}"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
 def _ddp_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
@@ -83,21 +99,7 @@ def test_a_non_finite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) 
     from dspo.testing import build_toy_lm
 
     lm_dir = build_toy_lm(str(tmp_path / "lm"))
-    context = mp.start_processes(
-        _ddp_worker, args=(_free_port(), lm_dir, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    try:
-        finished = False
-        for _ in range(240):  # 2 minutes: a run of 3 steps takes seconds; a hang never finishes
-            if context.join(timeout=0.5):
-                finished = True
-                break
-        assert finished, "the two ranks did not finish: a collective is waiting for a rank that skipped it"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = _run_ranks(_ddp_worker, lm_dir, tmp_path, "a collective is waiting for a rank that skipped it")
     # both ranks skipped the same step (the one only rank 1 saw as non-finite) and applied the others
     assert [r["skipped_at"] for r in ranks] == [[1], [1]]
     assert [r["weights_version"] for r in ranks] == [3, 3]  # 4 batches: one skipped, 3 applied
@@ -146,18 +148,7 @@ def test_token_budget_micro_batches_agree_in_number_across_ranks(tmp_path: Path)
     from dspo.testing import build_toy_lm
 
     lm_dir = build_toy_lm(str(tmp_path / "lm"))
-    context = mp.start_processes(
-        _token_budget_worker, args=(_free_port(), lm_dir, str(tmp_path)), nprocs=WORLD, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    try:
-        finished = any(context.join(timeout=0.5) for _ in range(240))
-        assert finished, "the two ranks did not finish: one ran more backward passes than the other"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = _run_ranks(_token_budget_worker, lm_dir, tmp_path, "one ran more backward passes than the other")
     assert ranks[0]["counts"] == ranks[1]["counts"] and len(ranks[0]["counts"]) == 3
     for shapes in ranks[0]["shapes"] + ranks[1]["shapes"]:
         assert all(n * width <= 20 or n == 1 for n, width in shapes)
