@@ -351,7 +351,7 @@ def main() -> None:
             f"{s['efficiency']:.2f} |"
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
+    Path(args.output).write_text(json.dumps(report, indent=2, default=str))  # args hold Paths
     print(f"\nwrote {args.output}")
 
 
