@@ -87,6 +87,23 @@ class RecordingEngine:
         self.version = version
 
 
+def recording_engine(model_path: str | None = None) -> RecordingEngine:
+    """A `RecordingEngine` built as the real engines are (`engine(model_path=...)`): the engine process's stand-in."""
+    return RecordingEngine()
+
+
+def scripted_agent(engine, spec) -> ScriptedAgent:
+    """`WorkerSpec.build_agent` for tests: the scripted agent inside the engine process."""
+    return ScriptedAgent()
+
+
+def report_environment_agent(engine, spec):
+    """`WorkerSpec.build_agent` that fails on purpose, reporting the engine process's CUDA_VISIBLE_DEVICES."""
+    import os
+
+    raise RuntimeError(f"engine process sees CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}")
+
+
 def recording_logger():
     """A Lightning logger that keeps every `log_metrics` call as (step, metrics) in `.records` (nothing written)."""
     from lightning.pytorch.loggers.logger import Logger
@@ -133,12 +150,14 @@ def toy_run(
     seed: int = 0,
     warmup_steps: int = 0,
     callbacks: tuple = (),
+    max_staleness: int = 0,
     **algorithm: Any,
 ) -> SimpleNamespace:
     """Module, callback (with the stand-ins attached), datamodule and a CPU trainer for `max_steps` optimizer steps.
 
     `algorithm` overrides `AlgorithmConfig` fields (defaults: G=4, B=2, M=1, micro-batches of 3 sequences, wide clip,
-    no rollout correction); `callbacks` go to the trainer after the environment callback.
+    no rollout correction); `callbacks` go to the trainer after the environment callback. With `max_staleness` >= 1
+    the scripted agent and a recording engine run in the engine process (`run.agent`, `run.engine` are then None).
     """
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -158,9 +177,15 @@ def toy_run(
     module = (module_cls or DSPOModule)(
         model, algo, OptimizerConfig(lr=lr, weight_decay=0.0, warmup_steps=warmup_steps)
     )
-    callback = EnvironmentCallback(None, None, None, algo, model, seed=seed, sample_every_n_rounds=0)
-    agent, engine = ScriptedAgent(), RecordingEngine()
-    attach(callback, agent, engine)
+    if max_staleness:
+        callback = EnvironmentCallback(
+            recording_engine, None, None, algo, model, seed=seed, sample_every_n_rounds=0, max_staleness=max_staleness
+        )
+        callback.build_agent, callback.tokenizer, agent, engine = scripted_agent, _Tokenizer(), None, None
+    else:
+        callback = EnvironmentCallback(None, None, None, algo, model, seed=seed, sample_every_n_rounds=0)
+        agent, engine = ScriptedAgent(), RecordingEngine()
+        attach(callback, agent, engine)
     datamodule = RolloutDataModule(train_files=["scripted"], seed=seed)
     datamodule.sampler = PromptSampler(toy_items(), seed=seed)
     trainer = pl.Trainer(

@@ -155,3 +155,46 @@ def test_token_budget_micro_batches_agree_in_number_across_ranks(tmp_path: Path)
     assert ranks[0]["shapes"] != ranks[1]["shapes"]  # different data, packed differently, the same number of passes
     for name, tensor in ranks[0]["weights"].items():
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
+
+
+def _async_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dspo.testing import toy_run
+
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+    os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})
+    run = toy_run(lm_dir, f"{root}/rank{rank}", 3, max_staleness=1, batch_groups=4)  # each rank: 2 groups of 4
+    versions: list[list[int]] = []
+
+    class Versions(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            groups = run.callback.current.groups
+            versions.append(sorted({t.policy_version for g in groups for t in g.trajectories}))
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), max_steps=3,
+        callbacks=[run.callback, Versions()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
+    )  # fmt: skip
+    trainer.fit(run.module, datamodule=run.datamodule)
+    weights = {k: v.detach().clone() for k, v in run.module.policy.state_dict().items()}
+    report = {"steps": trainer.global_step, "versions": versions, "weights": weights, "closed": run.callback.worker}
+    torch.save(report, f"{root}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_one_round_ahead_under_ddp_keeps_the_ranks_in_step(tmp_path: Path) -> None:
+    """Issue 28 (4): with rollout.max_staleness = 1 each rank has its own engine process filling its share of B; the
+    ranks take the same number of steps, see the same staleness, and end with identical weights."""
+    from dspo.testing import build_toy_lm
+
+    lm_dir = build_toy_lm(str(tmp_path / "lm"))
+    ranks = _run_ranks(_async_worker, lm_dir, tmp_path, "a rank waited for a round or a collective forever")
+    assert [r["steps"] for r in ranks] == [3, 3]
+    assert [r["versions"] for r in ranks] == [[[0], [0], [1]]] * 2
+    assert [r["closed"] for r in ranks] == [None, None]
+    for name, tensor in ranks[0]["weights"].items():
+        assert torch.equal(tensor, ranks[1]["weights"][name]), name

@@ -12,8 +12,11 @@ sample trajectories to TensorBoard, and saves its counters, the RNG states and t
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from dspo.models import ModelConfig, load_tokenizer
 from dspo.models.weights import policy_weights
 from dspo.record import write_record
 from dspo.rollout.environment import RolloutEnvironment
+from dspo.rollout.worker import check_staleness, staleness_stats
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,13 @@ class EnvironmentCallback(pl.Callback):
     eval_batch_size: questions per engine call in validation/test.
     sample_every_n_rounds: write one kept group's trajectories as TensorBoard text every N rounds (0 = never).
     export_dir: where the final policy is saved (default `<trainer.default_root_dir>/model`).
+    max_staleness: rounds generated ahead of training (`rollout.max_staleness`): 0 = synchronous, the engine in this
+        process; k >= 1 = the engine in its own process, up to k rounds ahead (`dspo.rollout.worker`).
+    engine_threads: with k >= 1, CPU threads (and cores) of the engine process (`rollout.engine_threads`; None: half).
+    engine_cores: with k >= 1, `split` (engine and trainer pinned to their own cores) or `shared` (both on every core,
+        the trainer keeping its threads) (`rollout.engine_cores`).
+    engine_devices: with k >= 1 on GPUs, one entry per local rank: the GPU(s) its engine process uses instead of the
+        rank's own (`rollout.engine_devices`; docs/scaling.md).
     """
 
     def __init__(
@@ -53,6 +64,10 @@ class EnvironmentCallback(pl.Callback):
         eval_batch_size: int = 64,
         sample_every_n_rounds: int = 5,
         export_dir: str | None = None,
+        max_staleness: int = 0,
+        engine_threads: int | None = None,
+        engine_cores: str = "split",
+        engine_devices: list | None = None,
     ) -> None:
         sampling = agent.get("temperature") if isinstance(agent, dict) else getattr(agent, "temperature", None)
         if sampling is not None and float(sampling) != float(algorithm.temperature):
@@ -65,6 +80,14 @@ class EnvironmentCallback(pl.Callback):
 
         if isinstance(env, Environment):
             check_credit_fits(env, algorithm.objective)  # at build time, before any model is loaded
+        self.max_staleness = check_staleness(max_staleness, engine_threads, engine)
+        self.engine_threads = engine_threads
+        if engine_cores not in ("split", "shared"):
+            raise ValueError(f"rollout.engine_cores={engine_cores!r}: use split (own cores each) or shared")
+        self.engine_cores = engine_cores
+        self.engine_devices = list(engine_devices) if engine_devices is not None else None
+        self.worker = None  # dspo.rollout.worker.EngineProcess when max_staleness >= 1
+        self.build_agent = None  # (engine, WorkerSpec) -> agent in the engine process; None: dspo's SearchAgent
         self.engine_factory, self.agent_config, self.env = engine, agent, env
         self.algo, self.model_cfg, self.seed = algorithm, model, seed
         self.eval_batch_size, self.sample_every_n_rounds, self.export_dir = (
@@ -84,7 +107,9 @@ class EnvironmentCallback(pl.Callback):
     # ------------------------------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.algo.check_world_size(trainer.world_size)
-        if self.engine is None:
+        if self.max_staleness and self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.model_cfg)  # the trainer pads rounds and exports; the rest is remote
+        elif self.engine is None and not self.max_staleness:
             from dspo.rollout.agent import SearchAgent
 
             self.tokenizer = load_tokenizer(self.model_cfg)
@@ -96,6 +121,11 @@ class EnvironmentCallback(pl.Callback):
         pl_module.environment = self
 
     def _sync_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.max_staleness:
+            return self._push_to_worker(trainer, pl_module)
+        self._sync_in_process(trainer, pl_module)
+
+    def _sync_in_process(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Algorithm 1 step 1: push the policy into the engine if it changed (gathers full params under FSDP).
 
         "Changed" means the module's count of applied optimizer steps moved: a skipped (non-finite) step leaves the
@@ -143,9 +173,43 @@ class EnvironmentCallback(pl.Callback):
         batch.round_index, batch.minibatch_index = self.rounds_completed, self.cursor
 
     def _start_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync_weights(trainer, pl_module)
-        datamodule = trainer.datamodule
         version = self.rounds_completed
+        waiting = time.time()
+        if self.max_staleness:
+            groups, stats, generation = self._take_from_worker(trainer, pl_module, version)
+            credit = getattr(self.env, "credit", "trajectory")
+        else:
+            groups, stats = self._sample_in_process(trainer, pl_module, version)
+            generation = (waiting, time.time())
+            credit = getattr(getattr(self.agent, "env", None), "credit", "trajectory")
+        self._timeline = {"round": version, "waiting": waiting, "generation": generation, "taken": time.time()}
+        self.current = build_round(
+            groups,
+            num_minibatches=self.algo.num_minibatches,
+            micro_batch_size=self.algo.micro_batch_size,
+            pad_token_id=self.tokenizer.pad_token_id,
+            policy_version=version,
+            seed=self.seed + version,
+            advantages=self.algo.advantages,
+            credit=credit,
+            micro_batch_tokens=self.algo.micro_batch_tokens,
+            agree_counts=self._agree_counts(trainer, pl_module),
+        )
+        self.cursor = 0
+        self._sleep_engine()  # the round is generated: the update may have the accelerator's memory
+        stats["rollout/padding_share"] = self.current.stats["padding_share"]
+        stats["rollout/policy_version"] = float(version)
+        stats.update(staleness_stats(groups, version))
+        self.generated_tokens_total += stats["rollout/generated_tokens"]
+        stats["rollout/generated_tokens_total"] = self.generated_tokens_total
+        pl_module.log_dict(stats, on_step=True, batch_size=1)
+        pl_module.log("keep", stats["rollout/keep_rate"], prog_bar=True, logger=False, batch_size=1)
+        if self.sample_every_n_rounds and version % self.sample_every_n_rounds == 0:
+            self._write_samples(trainer, groups[0])
+
+    def _sample_in_process(self, trainer: pl.Trainer, pl_module: pl.LightningModule, version: int):
+        """max_staleness 0: push the policy if it changed, then generate the round here, now (strictly on-policy)."""
+        self._sync_weights(trainer, pl_module)
         weights = pl_module.weights_version
         if getattr(self.engine, "version", weights) != weights:
             raise RuntimeError(
@@ -155,40 +219,110 @@ class EnvironmentCallback(pl.Callback):
         env = getattr(self.agent, "env", None)
         if env is not None:  # curricula (a simulator's growing noise) read where training is
             env.on_progress(trainer.global_step, trainer.max_steps)
-        groups, stats = self.environment.sample_round(
-            datamodule.sampler,
+        return self.environment.sample_round(
+            trainer.datamodule.sampler,
             policy_version=version,
             seed=self.seed * 1_000_003 + version * 1_009,
             all_done=lambda done: trainer.strategy.reduce_boolean_decision(done, all=True),
         )
-        self.current = build_round(
-            groups,
-            num_minibatches=self.algo.num_minibatches,
-            micro_batch_size=self.algo.micro_batch_size,
-            pad_token_id=self.tokenizer.pad_token_id,
-            policy_version=version,
-            seed=self.seed + version,
-            advantages=self.algo.advantages,
-            credit=getattr(env, "credit", "trajectory"),
-            micro_batch_tokens=self.algo.micro_batch_tokens,
-            agree_counts=self._agree_counts(trainer, pl_module),
+
+    # ------------------------------------------------------------------------------------------ engine process
+    def _push_to_worker(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """max_staleness >= 1: start the engine process on first use, then send the policy (only when it changed;
+        the completed-round count, which moves the staleness bound, always)."""
+        from dspo.rollout.worker import EngineProcess
+
+        version, changed = pl_module.weights_version, self._engine_weights != pl_module.weights_version
+        root = trainer.strategy.model if trainer.strategy.model is not None else pl_module
+        weights = list(policy_weights(root)) if changed or self.worker is None else None
+        if self.worker is None:
+            self.worker = EngineProcess(self._worker_spec(trainer))
+            fitting = trainer.training or getattr(trainer.state, "fn", None) == "fit"
+            sampler = trainer.datamodule.sampler if fitting else None  # evaluation only: no rounds to produce
+            self.worker.start(sampler, self._keep_rate_estimate, self.rounds_completed, weights)
+        self.worker.push_weights(weights, self.rounds_completed, version, (trainer.global_step, trainer.max_steps))
+        self._engine_weights = version
+
+    def _worker_spec(self, trainer: pl.Trainer):
+        from dspo.rollout.worker import WorkerSpec, engine_devices_for, share_the_cpu
+
+        local = max(1, trainer.world_size // max(trainer.num_nodes, 1))
+        engine_threads, cores, self._saved_cpu = share_the_cpu(self.engine_cores, self.engine_threads, local)
+        log.info("engine process: %d thread(s), cores %s; trainer: %d", engine_threads, cores, torch.get_num_threads())
+        return WorkerSpec(
+            engine=self.engine_factory,
+            agent=self.agent_config,
+            env=self.env,
+            algorithm=self.algo,
+            model=self.model_cfg,
+            seed=self.seed,
+            max_staleness=self.max_staleness,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            threads=engine_threads,
+            cores=cores,
+            eval_batch_size=self.eval_batch_size,
+            visible_devices=engine_devices_for(self.engine_devices, trainer.local_rank, local),
+            build_agent=self.build_agent,
         )
-        self.cursor = 0
-        self._sleep_engine()  # the round is generated: the update may have the accelerator's memory
-        stats["rollout/padding_share"] = self.current.stats["padding_share"]
-        stats["rollout/policy_version"] = float(version)
-        self.generated_tokens_total += stats["rollout/generated_tokens"]
-        stats["rollout/generated_tokens_total"] = self.generated_tokens_total
-        pl_module.log_dict(stats, on_step=True, batch_size=1)
-        pl_module.log("keep", stats["rollout/keep_rate"], prog_bar=True, logger=False, batch_size=1)
-        if self.sample_every_n_rounds and version % self.sample_every_n_rounds == 0:
-            self._write_samples(trainer, groups[0])
+
+    def _take_from_worker(self, trainer: pl.Trainer, pl_module: pl.LightningModule, version: int):
+        """The round the engine process generated (up to max_staleness rounds ago); every rank fails together."""
+        self._sync_weights(trainer, pl_module)
+        failure = None
+        try:
+            sampled, waited = self.worker.take_round(version)
+        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+            failure = error
+        if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(failure is None, all=True):
+            raise failure or RuntimeError(f"another rank's engine process failed in round {version}; see its log")
+        if failure is not None:
+            raise failure
+        trainer.datamodule.sampler.load_state_dict(sampled.end_state["sampler"])  # checkpoints: round r+1's start
+        self._keep_rate_estimate = sampled.end_state["keep_rate_estimate"]
+        stats = dict(sampled.stats)
+        stats["rollout/trainer_wait_s"] = waited
+        stats["rollout/producer_idle_s"] = sampled.idle_s
+        return sampled.groups, stats, sampled.generation
+
+    def _close_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+            self._engine_weights = -1
+        saved = getattr(self, "_saved_cpu", None)
+        if saved is not None:
+            cores, threads = saved
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._saved_cpu = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close_worker()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close_worker()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx):
         self.cursor += 1
         if self.current is not None and self.cursor >= len(self.current.minibatches):
             self.rounds_completed += 1
             self.current, self.cursor = None, 0
+            self._write_timeline(trainer)
+
+    def _write_timeline(self, trainer: pl.Trainer) -> None:
+        """`<run dir>/timeline.jsonl`: per round, when the trainer started waiting for it, when it was generated (in
+        this process, or in the engine process), when training took it and when its last step ended (time.time();
+        bench/timeline.py draws it)."""
+        entry, self._timeline = getattr(self, "_timeline", None), None
+        if entry is None or not trainer.is_global_zero:
+            return
+        entry["trained"] = time.time()
+        path = Path(trainer.default_root_dir) / "timeline.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write(json.dumps({**entry, "max_staleness": self.max_staleness}) + "\n")
 
     def _write_samples(self, trainer: pl.Trainer, group) -> None:
         # TensorBoard's writer, wherever it is in the list of loggers (other loggers get the scalars only)
@@ -233,6 +367,8 @@ class EnvironmentCallback(pl.Callback):
     def predict(self, items):
         from dspo.eval.pipeline import predict
 
+        if self.max_staleness:
+            return self.worker.predict(items, self.rounds_completed)
         return predict(self.agent, items, self.eval_batch_size, policy_version=self.rounds_completed, progress=False)
 
     def record_predictions(self, stage: str, predictions: list) -> None:
@@ -256,7 +392,7 @@ class EnvironmentCallback(pl.Callback):
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
             # the over-sampling prior decides how many prompts the next round draws: a resumed run must draw the same
-            "keep_rate_estimate": getattr(self.environment, "keep_rate_estimate", None),
+            "keep_rate_estimate": getattr(self.environment, "keep_rate_estimate", self._keep_rate_estimate),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

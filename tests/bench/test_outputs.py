@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # script -> (the JSON it writes, its output flag)
 BENCHES = {
+    "async": ("async.json", "--out"),
     "retrieval": ("retrieval.json", "--out"),
     "rollout": ("rollout.json", "--out"),
     "train_step": ("train_step.json", "--output"),

