@@ -31,13 +31,13 @@ from dspo.algorithms.blocks import loss_normalizer, token_normalizer
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.algorithms.losses import kl_penalty
 from dspo.algorithms.rollout_correction import correction_weights
-from dspo.data.datamodule import RoundSlot
+from dspo.data.datamodule import EvalSlot, RoundSlot
 from dspo.metrics import answer_metrics
 from dspo.models import ModelConfig, load_causal_lm
 from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs
 from dspo.step_stats import MiniBatchStats
-from dspo.types import PolicyBatch, QAItem
+from dspo.types import PolicyBatch
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,6 @@ class DSPOModule(pl.LightningModule):
         )
         self.policy: nn.Module | None = None
         self.reference: nn.Module | None = None
-        self.environment = None  # set by EnvironmentCallback: provides predict(items) for validation/test
         self.run_record: dict | None = None  # the run's settings (dspo.record), set by dspo.train: in checkpoints
         self.eval_metrics = nn.ModuleDict()
         self._skipped_in_a_row = 0
@@ -338,21 +337,23 @@ class DSPOModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ----------------------------------------------------------------------------------------------- eval
-    def _eval_step(self, stage: str, items: list[QAItem], dataloader_idx: int) -> None:
-        if self.environment is None:
-            raise RuntimeError(f"{stage}: no environment attached; add EnvironmentCallback to trainer.callbacks")
+    def _eval_step(self, stage: str, slot: EvalSlot, dataloader_idx: int) -> None:
+        """Score the greedy predictions the environment callback put into the batch (`EvalSlot.predictions`)."""
+        if not isinstance(slot, EvalSlot) or slot.predictions is None:
+            raise RuntimeError(
+                f"{stage}: the batch carries no predictions; EnvironmentCallback (conf/callbacks) makes them at "
+                f"on_{'validation' if stage == 'val' else 'test'}_batch_start from the RolloutDataModule's EvalSlot"
+            )
         datamodule = self.trainer.datamodule
         names = datamodule.val_benchmarks if stage == "val" else datamodule.test_benchmarks
-        predictions = self.environment.predict(items)
         metrics = self.eval_metrics[f"{stage}__{_safe_key(names[dataloader_idx])}"]
-        metrics.update([p.answer for p in predictions], [p.golden_answers for p in predictions])
-        self.environment.record_predictions(stage, predictions)
+        metrics.update([p.answer for p in slot.predictions], [p.golden_answers for p in slot.predictions])
 
-    def validation_step(self, items: list[QAItem], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_step("val", items, dataloader_idx)
+    def validation_step(self, slot: EvalSlot, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step("val", slot, dataloader_idx)
 
-    def test_step(self, items: list[QAItem], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_step("test", items, dataloader_idx)
+    def test_step(self, slot: EvalSlot, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step("test", slot, dataloader_idx)
 
     def _log_eval(self, stage: str) -> None:
         values: dict[str, torch.Tensor] = {}

@@ -298,8 +298,11 @@ def test_error_messages_name_the_cause_and_the_fix(lm_dir, tmp_path, caplog):
         "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.buffer.collate_trajectories"
     )
     with pytest.raises(RuntimeError) as detached:
-        module.test_step([], 0)
-    assert str(detached.value) == "test: no environment attached; add EnvironmentCallback to trainer.callbacks"
+        module.test_step([], 0)  # a plain list: not a RolloutDataModule batch, and nobody answered it
+    assert str(detached.value) == (
+        "test: the batch carries no predictions; EnvironmentCallback (conf/callbacks) makes them at "
+        "on_test_batch_start from the RolloutDataModule's EvalSlot"
+    )
 
     run = toy_run(lm_dir, str(tmp_path), 5, module_cls=Probe)
     run.module.poison = {0, 1}

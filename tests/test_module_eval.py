@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 
 from dspo.module import DSPOModule
@@ -13,32 +14,35 @@ def lm_dir(tmp_path_factory) -> str:
     return build_toy_lm(str(tmp_path_factory.mktemp("toy_lm")))
 
 
-class _Environment:
-    """Answers from a table (question id -> answer) and records what the module hands back."""
+class _Answers(pl.Callback):
+    """The environment callback's part in evaluation: answers from a table (question id -> answer) put into each
+    `EvalSlot`, and the batches it answered, per stage."""
 
     def __init__(self, answers: dict[str, str]) -> None:
         self.answers, self.recorded = answers, []
 
-    def predict(self, items):
+    def _answer(self, stage: str, slot) -> None:
         from dspo.eval.pipeline import Prediction
 
-        return [
+        slot.predictions = [
             Prediction(i.id, i.benchmark, i.question, i.golden_answers, self.answers[i.id], 0.0, 0.0, 0.0, 1, 0)
-            for i in items
+            for i in slot.items
         ]
+        self.recorded.append((stage, [i.id for i in slot.items]))
 
-    def record_predictions(self, stage, predictions):
-        self.recorded.append((stage, [p.id for p in predictions]))
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._answer("val", batch)
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._answer("test", batch)
 
 
 def test_validation_and_test_log_subem_per_benchmark_and_their_mean(lm_dir, tmp_path):
     """Two benchmarks: `val/<name>/subem|em|f1` per benchmark and `val/subem_mean` (the mean of the two subEMs,
     not of the questions) reach the logger at x = the number of applied updates; test returns them from
-    trainer.test(); predictions go back to the environment with their stage."""
-    import lightning.pytorch as pl
-
+    trainer.test(); the module scores the predictions the callback put into each batch."""
     from dspo.algorithms.config import AlgorithmConfig
-    from dspo.data.datamodule import RolloutDataModule
+    from dspo.data.datamodule import EvalSlot, RolloutDataModule
     from dspo.models import ModelConfig
     from dspo.module import OptimizerConfig
     from dspo.types import QAItem
@@ -56,9 +60,11 @@ def test_validation_and_test_log_subem_per_benchmark_and_their_mean(lm_dir, tmp_
     datamodule.val_sets, datamodule.test_sets = sets, test_sets
     module = DSPOModule(ModelConfig(path=lm_dir), AlgorithmConfig(group_size=2, batch_groups=1), OptimizerConfig())
     module.configure_model()
-    module.environment = _Environment(answers)
+    answering = _Answers(answers)
     logger = recording_logger()
-    trainer = pl.Trainer(accelerator="cpu", logger=logger, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=logger, callbacks=[answering], enable_progress_bar=False, default_root_dir=tmp_path
+    )
     trainer.validate(module, datamodule=datamodule)
     [(step, logged)] = [(s, m) for s, m in logger.records if "val/subem_mean" in m]
     assert step == 0
@@ -70,17 +76,16 @@ def test_validation_and_test_log_subem_per_benchmark_and_their_mean(lm_dir, tmp_
     assert results["test/subem_mean"] == pytest.approx(0.2) and results["test/three/subem"] == pytest.approx(0.2)
     assert not any(k.startswith("val/") for k in results)
     assert len([m for _, m in logger.records if "test/subem_mean" in m]) == 1  # logged once, by Lightning
-    stages = [stage for stage, _ in module.environment.recorded]
+    stages = [stage for stage, _ in answering.recorded]
     assert stages.count("val") == 3 and stages.count("test") == 2  # 4 + 2 and 5 questions in batches of 3
-    assert sorted(i for stage, ids in module.environment.recorded if stage == "test" for i in ids) == sorted(
+    assert sorted(i for stage, ids in answering.recorded if stage == "test" for i in ids) == sorted(
         i.id for i in test_sets["three"]
     )
     datamodule.val_files, datamodule.val_sets = {"two": "-"}, {"two": sets["two"]}  # one loader: no dataloader_idx
     trainer.validate(module, datamodule=datamodule)
     assert trainer.callback_metrics["val/two/subem"] == pytest.approx(0.5)
-    module.environment = None
-    with pytest.raises(RuntimeError, match="no environment attached"):
-        module.validation_step(sets["one"], 0)
+    with pytest.raises(RuntimeError, match="carries no predictions; EnvironmentCallback"):
+        module.validation_step(EvalSlot(sets["one"]), 0)  # nobody answered it
 
 
 def test_checkpoint_hooks_drop_the_reference_and_restore_the_applied_step_count(lm_dir):

@@ -15,6 +15,7 @@ from torch import nn
 
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.callbacks.environment_callback import EnvironmentCallback
+from dspo.data.datamodule import EvalSlot
 from dspo.models import ModelConfig
 from dspo.module import DSPOModule
 from dspo.rollout.agent import AgentConfig
@@ -278,11 +279,17 @@ def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_pa
     written = []
     monkeypatch.setattr(pipeline, "score", lambda predictions: {"toy": {"n": len(predictions)}})
     monkeypatch.setattr(pipeline, "write_results", lambda path, results, preds: written.append((path, results, preds)))
-    callback.record_predictions("val", ["v"])
-    callback.record_predictions("test", ["a", "b"])
+    monkeypatch.setattr(callback, "predict", lambda items: [f"p{item}" for item in items])
+    val, test = EvalSlot(["v"]), EvalSlot(["a", "b"])
+    callback.on_validation_batch_start(None, None, val, 0)
+    callback.on_test_batch_start(None, None, test, 0)
+    assert (val.predictions, test.predictions) == (["pv"], ["pa", "pb"])  # what the module scores
+    callback.on_test_batch_end(None, None, None, test, 0)
+    with pytest.raises(TypeError, match="expects EvalSlot eval batches"):
+        callback.on_validation_batch_start(None, None, ["v"], 0)
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), is_global_zero=True)
     callback.on_test_end(trainer, None)
-    assert written == [(tmp_path / "test", {"toy": {"n": 2}}, ["a", "b"])]
+    assert written == [(tmp_path / "test", {"toy": {"n": 2}}, ["pa", "pb"])]  # test predictions only
     callback.on_test_end(trainer, None)  # predictions were consumed: nothing more to write
     assert len(written) == 1
 
@@ -361,9 +368,9 @@ def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_r
     algo = AlgorithmConfig(group_size=2, batch_groups=4)
     callback = EnvironmentCallback(factory, AgentConfig(), "retriever", algo, model)
     callback._keep_rate_estimate = 0.25  # as load_state_dict leaves it when it runs before setup
-    module = SimpleNamespace(environment=None)
+    module = SimpleNamespace()
     callback.setup(SimpleNamespace(world_size=2, global_rank=1), module, "fit")
-    assert built == [lm_dir] and module.environment is callback
+    assert built == [lm_dir] and not vars(module)  # nothing attached to the module
     assert isinstance(callback.agent, SearchAgent) and callback.agent.engine is callback.engine
     assert callback.agent.retriever == "retriever" and callback.tokenizer.pad_token_id is not None
     assert callback.environment.agent is callback.agent and callback.environment.local_target == 2
