@@ -244,7 +244,7 @@ class EnvironmentCallback(pl.Callback):
         self._engine_weights = version
 
     def _worker_spec(self, trainer: pl.Trainer):
-        from dspo.rollout.worker import WorkerSpec, engine_devices_for, share_the_cpu
+        from dspo.rollout.worker import WorkerSpec, colocated_device, engine_devices_for, share_the_cpu
 
         local = max(1, trainer.world_size // max(trainer.num_nodes, 1))
         engine_threads, cores, self._saved_cpu = share_the_cpu(self.engine_cores, self.engine_threads, local)
@@ -262,7 +262,8 @@ class EnvironmentCallback(pl.Callback):
             threads=engine_threads,
             cores=cores,
             eval_batch_size=self.eval_batch_size,
-            visible_devices=engine_devices_for(self.engine_devices, trainer.local_rank, local),
+            visible_devices=engine_devices_for(self.engine_devices, trainer.local_rank, local)
+            or colocated_device(trainer.strategy.root_device, os.environ.get("CUDA_VISIBLE_DEVICES")),
             build_agent=self.build_agent,
         )
 

@@ -265,6 +265,19 @@ def share_the_cpu(mode: str, engine_threads: int | None, local_processes: int) -
     return wanted, None, (None, threads)
 
 
+def colocated_device(root_device: Any, parent_visible: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for an engine process colocated with its rank: the rank's own GPU (None off CUDA). Needed
+    because a spawned process starts on GPU 0 whatever device its rank was given; the entry is the system index, read
+    through the rank's own CUDA_VISIBLE_DEVICES when that is set (rank device 1 under "2,3" is GPU 3)."""
+    if getattr(root_device, "type", "cpu") != "cuda":
+        return None
+    index = root_device.index or 0
+    visible = [entry.strip() for entry in parent_visible.split(",") if entry.strip()] if parent_visible else []
+    if visible and index >= len(visible):
+        raise ValueError(f"rank device cuda:{index} is not among CUDA_VISIBLE_DEVICES={parent_visible!r}")
+    return visible[index] if visible else str(index)
+
+
 class EngineProcess:
     """The trainer's handle on the engine process: push weights, take rounds in order, ask for predictions."""
 

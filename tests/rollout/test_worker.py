@@ -23,6 +23,7 @@ from dspo.rollout.worker import (
     EngineProcessDied,
     EngineProcessError,
     WorkerSpec,
+    colocated_device,
     engine_devices_for,
     split_cores,
     staleness_stats,
@@ -203,6 +204,17 @@ def test_engine_devices_give_each_local_rank_its_own_engine_gpus():
         engine_devices_for([4, 5], 0, 4)
     with pytest.raises(ValueError, match=r"rollout.engine_devices\[0\]='cuda:4'"):
         engine_devices_for(["cuda:4"], 0, 1)
+
+
+def test_a_colocated_engine_process_sits_on_its_ranks_gpu():
+    from types import SimpleNamespace
+
+    assert colocated_device(torch.device("cpu"), None) is None
+    assert colocated_device(SimpleNamespace(type="cuda", index=1), None) == "1"
+    assert colocated_device(SimpleNamespace(type="cuda", index=1), "2, 3") == "3"  # system index under the rank's mask
+    assert colocated_device(SimpleNamespace(type="cuda", index=None), "5") == "5"
+    with pytest.raises(ValueError, match="cuda:2 is not among CUDA_VISIBLE_DEVICES='0,1'"):
+        colocated_device(SimpleNamespace(type="cuda", index=2), "0,1")
 
 
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
