@@ -77,19 +77,6 @@ def run(overrides: list[str], out: Path, cores: list[int] | None, threads: int |
     return out
 
 
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
-    """{tag: [(step, wall time, value)]}, every event."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    found: dict[str, list[tuple[int, float, float]]] = {}
-    for events in sorted(run_dir.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        for tag in accumulator.Tags()["scalars"]:
-            found.setdefault(tag, []).extend((e.step, e.wall_time, e.value) for e in accumulator.Scalars(tag))
-    return found
-
-
 def per_round(series: list[tuple[int, float, float]], steps_per_round: int) -> dict[int, float]:
     """Round statistics are logged at every step of their round (steps count from 0): one value per round."""
     values: dict[int, float] = {}
@@ -99,7 +86,9 @@ def per_round(series: list[tuple[int, float, float]], steps_per_round: int) -> d
 
 
 def summarize(run_dir: Path, steps_per_round: int, warmup_rounds: int, k: int) -> dict[str, float]:
-    data = scalars(run_dir)
+    from dspo.analysis import scalar_wall_times
+
+    data = scalar_wall_times(run_dir)
     walls = {step: wall for step, wall, _ in data["train/loss"]}
     first, last = warmup_rounds * steps_per_round - 1, max(walls)  # the last warm-up step; logged as it ends
     seconds = walls[last] - walls[first]

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dspo.ablation import ci95, run_record, summary  # noqa: E402
-from dspo.analysis import find_runs  # noqa: E402
+from dspo.analysis import find_runs, scalar_wall_times  # noqa: E402
 
 
 def staleness_of(run) -> int:
@@ -34,20 +34,10 @@ def staleness_of(run) -> int:
     return int(OmegaConf.select(config, "rollout.max_staleness", default=0) or 0)
 
 
-def wall_series(run_dir: Path, tag: str) -> list[tuple[int, float, float]]:
+def since_start(scalars: dict[str, list[tuple[int, float, float]]], tag: str) -> list[tuple[int, float, float]]:
     """[(step, seconds since the run's first event, value)] of `tag`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events, start = [], math.inf
-    for path in sorted(run_dir.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(path.parent), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        for name in accumulator.Tags()["scalars"]:
-            for event in accumulator.Scalars(name):
-                start = min(start, event.wall_time)
-                if name == tag:
-                    events.append((event.step, event.wall_time, event.value))
-    return [(step, wall - start, value) for step, wall, value in sorted(events)]
+    start = min((wall for rows in scalars.values() for _, wall, _ in rows), default=0.0)
+    return [(step, wall - start, value) for step, wall, value in scalars.get(tag, [])]
 
 
 def collect(sweeps: list[Path]) -> tuple[list[dict], dict[str, list]]:
@@ -56,8 +46,8 @@ def collect(sweeps: list[Path]) -> tuple[list[dict], dict[str, list]]:
         for run in find_runs(sweep):
             label = f"k={staleness_of(run)}"
             record = run_record(run)
-            series = wall_series(run.dir, "val/subem_mean")
-            losses = wall_series(run.dir, "train/loss")
+            scalars = scalar_wall_times(run.dir)
+            series, losses = since_start(scalars, "val/subem_mean"), since_start(scalars, "train/loss")
             record.update(algorithm=label, train_wall_s=losses[-1][1] if losses else math.nan)
             records.append(record)
             curves.setdefault(label, []).append({"seed": run.seed, "val": series})

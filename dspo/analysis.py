@@ -132,6 +132,20 @@ def _scalar_events(accumulator) -> list[tuple[int, str, float]]:
     return rows
 
 
+def scalar_wall_times(run_dir: str | Path) -> dict[str, list[tuple[int, float, float]]]:
+    """{tag: [(step, wall time, value)]} of every scalar summary, sorted by step; for timing runs (`load_scalars` keeps
+    the values only). Wall times are the event files' `time.time()` stamps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, list[tuple[int, float, float]]] = {}
+    for directory in _event_dirs(Path(run_dir)):
+        accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags().get("scalars", []):
+            found.setdefault(tag, []).extend((e.step, e.wall_time, float(e.value)) for e in accumulator.Scalars(tag))
+    return {tag: sorted(rows) for tag, rows in found.items()}
+
+
 def load_scalars(run_dir: str | Path) -> pd.DataFrame:
     """Every scalar of a run as a DataFrame with columns step, tag, value, sorted by (tag, step).
 

@@ -88,6 +88,8 @@ class EnvironmentCallback(pl.Callback):
         self.engine_cores = engine_cores
         self.engine_devices = list(engine_devices) if engine_devices is not None else None
         self.worker = None  # dspo.rollout.worker.EngineProcess when max_staleness >= 1
+        self._saved_cpu: tuple | None = None  # (affinity or None, torch threads) to restore when the worker stops
+        self._timeline: dict | None = None  # the round in progress, for timeline.jsonl
         self.build_agent = None  # (engine, WorkerSpec) -> agent in the engine process; None: dspo's SearchAgent
         self.engine_factory, self.agent_config, self.env = engine, agent, env
         self.algo, self.model_cfg, self.seed = algorithm, model, seed
@@ -291,9 +293,8 @@ class EnvironmentCallback(pl.Callback):
             self.worker.close()
             self.worker = None
             self._engine_weights = -1
-        saved = getattr(self, "_saved_cpu", None)
-        if saved is not None:
-            cores, threads = saved
+        if self._saved_cpu is not None:
+            cores, threads = self._saved_cpu
             if cores is not None:
                 os.sched_setaffinity(0, cores)
             torch.set_num_threads(threads)
@@ -316,7 +317,7 @@ class EnvironmentCallback(pl.Callback):
         """`<run dir>/timeline.jsonl`: per round, when the trainer started waiting for it, when it was generated (in
         this process, or in the engine process), when training took it and when its last step ended (time.time();
         bench/timeline.py draws it)."""
-        entry, self._timeline = getattr(self, "_timeline", None), None
+        entry, self._timeline = self._timeline, None
         if entry is None or not trainer.is_global_zero:
             return
         entry["trained"] = time.time()

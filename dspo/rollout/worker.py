@@ -105,6 +105,7 @@ class _EngineSide:
         if keep_rate is not None:
             self.environment.keep_rate_estimate = float(keep_rate)
         self.loaded_round: int | None = None  # completed rounds of the weights in the engine (None: none pushed yet)
+        self.loaded_version: int | None = None  # optimizer steps of those weights (the first push always loads)
         self.progress = (0, 1)
         self.idle_s = 0.0
 
@@ -144,15 +145,16 @@ class _EngineSide:
             self.progress = command[1]
             with self.lock:  # the trainer writes these tensors under the same lock
                 completed, version = (int(v) for v in self.header.tolist())
-                self.engine.push_weights(list(self.shared.items()), version=version)
+                if version != self.loaded_version:  # unchanged weights (a skipped step, a repeat): the count only
+                    self.engine.push_weights(list(self.shared.items()), version=version)
+                    self.loaded_version = version
             self.loaded_round = completed
         elif kind == "predict":
             from dspo.eval.pipeline import predict
 
             _, tag, items, version = command
-            self.results.put(
-                ("predictions", tag, predict(self.agent, items, self.spec.eval_batch_size, version, False))
-            )
+            answers = predict(self.agent, items, self.spec.eval_batch_size, policy_version=version, progress=False)
+            self.results.put(("predictions", tag, answers))
         else:
             raise ValueError(f"engine process: unknown command {kind!r}")
 
