@@ -33,7 +33,7 @@ def prompt_digest(token_lists: list[list[int]]) -> str:
 
 # Phases of one step, each the wall time of the function(s) that do it (wrapped by `RoundClock._wrap`).
 PHASES = {
-    "push_s": "weight push into the engine (EnvironmentCallback._sync_weights -> engine.push_weights)",
+    "push_s": "weight push into the engine (LocalEngine.push -> engine.push_weights)",
     "generate_s": "rollout: engine calls, reward, filter (RolloutEnvironment.sample_round)",
     "collate_s": "round building: advantages, bucketing, padding (dspo.data.buffer.build_round)",
     "forward_s": "logprob forwards: policy (with entropy), old / reference when they apply (DSPOModule._logprobs)",
@@ -91,9 +91,11 @@ class RoundClock(pl.Callback):
     def _wrap(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         import dspo.callbacks.environment_callback as env_module
         import dspo.module as module_module
+        import dspo.rollout.producer as producer_module
 
         env_cb = next(c for c in trainer.callbacks if isinstance(c, env_module.EnvironmentCallback))
-        sample_round = env_cb.environment.sample_round
+        side = env_cb.producer.side  # the in-process engine (bench runs at max_staleness 0)
+        sample_round = side.environment.sample_round
 
         def reading_sample_round(*args: Any, **kwargs: Any):
             groups, stats = sample_round(*args, **kwargs)
@@ -101,9 +103,9 @@ class RoundClock(pl.Callback):
             return groups, stats
 
         wrap = self.phases.wrap
-        env_cb.environment.sample_round = wrap("generate_s", reading_sample_round)
-        env_cb.engine.push_weights = wrap("push_s", env_cb.engine.push_weights)
-        env_module.build_round = wrap("collate_s", env_module.build_round)
+        side.environment.sample_round = wrap("generate_s", reading_sample_round)
+        side.engine.push_weights = wrap("push_s", side.engine.push_weights)
+        producer_module.build_round = wrap("collate_s", producer_module.build_round)
         module_module.policy_loss = wrap("loss_s", module_module.policy_loss)
         methods = {"_logprobs": "forward_s", "manual_backward": "backward_s", "_clip_gradients": "clip_s"}
         for name, phase in methods.items():
@@ -112,7 +114,7 @@ class RoundClock(pl.Callback):
         optimizer.register_step_pre_hook(lambda *_: self.phases.start("optimizer_s"))
         optimizer.register_step_post_hook(lambda *_: self.phases.stop("optimizer_s"))
         items = trainer.datamodule.sampler.items
-        self.prompt_ids = [env_cb.agent.prompt_ids(item) for item in items]
+        self.prompt_ids = [side.agent.prompt_ids(item) for item in items]
         self.wrapped = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

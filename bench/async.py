@@ -118,7 +118,7 @@ def summarize(run_dir: Path, steps_per_round: int, warmup_rounds: int, k: int) -
 
 def measure(name: str, overrides: list[str], spr: int, args: argparse.Namespace, work: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from dspo.rollout.worker import split_cores
+    from dspo.rollout.placement import split_cores
 
     available = sorted(os.sched_getaffinity(0))
     trainer_cores, engine_cores = split_cores(None, available)

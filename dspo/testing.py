@@ -8,6 +8,7 @@ the vLLM engine, the search agent and the tokenizer.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -97,6 +98,28 @@ def scripted_agent(engine, spec) -> ScriptedAgent:
     return ScriptedAgent()
 
 
+@dataclass
+class WeightsEchoAgent(ScriptedAgent):
+    """`ScriptedAgent` whose trajectories tell, in `response_text` (JSON), what its `RecordingEngine` holds: the
+    version and number of loads, and each tensor's sum (the engine process's weights, seen from the trainer)."""
+
+    engine: Any = None
+
+    def _group(self, item: QAItem, group_size: int, policy_version: int, seed: int | None) -> RolloutGroup:
+        group = super()._group(item, group_size, policy_version, seed)
+        version, weights = self.engine.pushes[-1] if self.engine.pushes else (None, {})
+        sums = {name: float(tensor.sum()) for name, tensor in weights.items()}
+        text = json.dumps({"version": version, "loads": len(self.engine.pushes), "sums": sums})
+        for trajectory in group.trajectories:
+            trajectory.response_text = text
+        return group
+
+
+def weights_echo_agent(engine, spec) -> WeightsEchoAgent:
+    """`WorkerSpec.build_agent` for tests: a `WeightsEchoAgent` on the engine process's engine."""
+    return WeightsEchoAgent(engine=engine)
+
+
 def report_environment_agent(engine, spec):
     """`WorkerSpec.build_agent` that fails on purpose, reporting the engine process's CUDA_VISIBLE_DEVICES."""
     import os
@@ -137,8 +160,10 @@ class _Tokenizer:
 
 def attach(callback, agent: ScriptedAgent, engine: RecordingEngine, world_size: int = 1) -> None:
     """Put the stand-ins into an `EnvironmentCallback` before `trainer.fit` (its `setup` then builds nothing)."""
-    callback.engine, callback.agent, callback.tokenizer = engine, agent, _Tokenizer()
-    callback.environment = RolloutEnvironment(agent, callback.algo, 0, world_size)
+    from dspo.rollout.sides import LocalEngine
+
+    callback.producer.tokenizer = _Tokenizer()
+    callback.producer.attach(LocalEngine(engine, agent, RolloutEnvironment(agent, callback.algo, 0, world_size)))
 
 
 def toy_run(
@@ -181,7 +206,8 @@ def toy_run(
         callback = EnvironmentCallback(
             recording_engine, None, None, algo, model, seed=seed, sample_every_n_rounds=0, max_staleness=max_staleness
         )
-        callback.build_agent, callback.tokenizer, agent, engine = scripted_agent, _Tokenizer(), None, None
+        callback.producer.spec.build_agent, callback.producer.tokenizer = scripted_agent, _Tokenizer()
+        agent = engine = None
     else:
         callback = EnvironmentCallback(None, None, None, algo, model, seed=seed, sample_every_n_rounds=0)
         agent, engine = ScriptedAgent(), RecordingEngine()

@@ -135,8 +135,9 @@ def test_new_world_prepares_and_builds_with_its_retriever(examples, tmp_path):
     datamodule = objects["datamodule"]
     datamodule.setup("fit")
     assert len(datamodule.sampler.items) == 40 and list(datamodule.val_sets) == ["ships"]
-    (callback,) = [c for c in objects["callbacks"] if hasattr(c, "env")]
-    retriever = callback.env.tools["search"].retriever  # the search tool of env=search, over the ships index
+    (callback,) = [c for c in objects["callbacks"] if hasattr(c, "producer")]
+    # the search tool of env=search, over the ships index
+    retriever = callback.producer.spec.env.tools["search"].retriever
     one_hop, two_hop = datamodule.val_sets["ships"][:2]  # even ids ask the home port, odd ids its coast
     ship = one_hop.question.removeprefix("From which port does ").removesuffix(" sail?")
     (hits,) = retriever.search([ship], k=1)

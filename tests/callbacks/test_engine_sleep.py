@@ -43,7 +43,7 @@ class Generating(ScriptedAgent):
 
 class Updating(DSPOModule):
     def training_step(self, slot, batch_idx):
-        self.trainer.callbacks[0].engine.events.append("update")
+        self.trainer.callbacks[0].producer.side.engine.events.append("update")
         return super().training_step(slot, batch_idx)
 
 
@@ -54,7 +54,6 @@ def test_the_engine_sleeps_through_the_update_and_wakes_before_the_push(tmp_path
     engine = SleepyEngine(sleep_during_update=sleeps)
     agent = Generating()
     agent.engine = engine
-    run.callback.engine = run.callback.agent = None
     from dspo.testing import attach
 
     attach(run.callback, agent, engine)

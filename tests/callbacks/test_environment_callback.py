@@ -1,11 +1,11 @@
-"""`EnvironmentCallback`: weight pushes, the version guard, resume (mid-round and at a round boundary), config checks.
+"""`EnvironmentCallback`: Lightning hooks driving the round producer: skipped steps, resume at a round boundary, slots,
+samples, export, evaluation slots, config checks (the producer's own state: tests/rollout/test_producer.py).
 
 Runs use a toy Qwen2 model, scripted rollouts and a recording engine (`dspo.testing`) under a real Lightning Trainer.
 """
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +19,7 @@ from dspo.data.datamodule import EvalSlot
 from dspo.models import ModelConfig
 from dspo.module import DSPOModule
 from dspo.rollout.agent import AgentConfig
+from dspo.rollout.sides import LocalEngine
 from dspo.testing import RecordingEngine, build_toy_lm, toy_run
 
 
@@ -53,7 +54,9 @@ def test_a_skipped_step_does_not_end_the_run(lm_dir, tmp_path):
     run = toy_run(lm_dir, str(tmp_path), 2, module_cls=Poisoned)
     run.module.poison = {0}
     run.trainer.fit(run.module, datamodule=run.datamodule)
-    assert run.trainer.global_step == 2 and run.module.weights_version == 2 and run.callback.rounds_completed == 3
+    assert (
+        run.trainer.global_step == 2 and run.module.weights_version == 2 and run.callback.producer.state.completed == 3
+    )
     assert [version for _, version, _ in run.agent.calls] == [0, 1, 2]  # three rounds, the first one skipped
     assert [version for version, _ in run.engine.pushes] == [1]  # round 1 reused the initial weights: no push
     (_, pushed) = run.engine.pushes[0]
@@ -64,40 +67,10 @@ def test_a_skipped_step_does_not_end_the_run(lm_dir, tmp_path):
     assert not torch.equal(before_round_2["lm_head.weight"], run.module.weights_before[1]["lm_head.weight"])
 
 
-def test_the_version_guard_stops_a_round_sampled_from_stale_weights():
-    callback = _callback()
-    callback.engine = RecordingEngine(version=5)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), datamodule=None)
-    with pytest.raises(RuntimeError, match="weight push was skipped"):
-        callback._start_round(trainer, SimpleNamespace(weights_version=0))
-
-
 class _Root(nn.Module):
     def __init__(self, weights_version: int) -> None:
         super().__init__()
         self.policy, self.weights_version = nn.Linear(2, 2), weights_version
-
-
-def test_resume_mid_round_starts_a_fresh_round_restores_rng_and_forces_a_push():
-    callback = _callback()
-    callback.rounds_completed, callback.cursor = 4, 1
-    state = callback.state_dict()
-    expected = (torch.rand(3), random.random())
-    fresh = _callback()
-    fresh.load_state_dict(state)
-    assert (fresh.rounds_completed, fresh.cursor, fresh.current) == (5, 0, None)
-    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
-    fresh.engine = RecordingEngine(version=0)
-    root = _Root(weights_version=0)  # even at the engine's own version number: the engine holds the initial weights
-    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None))
-    fresh._sync_weights(trainer, root)
-    assert [v for v, _ in fresh.engine.pushes] == [0]
-    assert torch.equal(fresh.engine.pushes[0][1]["weight"], root.policy.weight)
-    fresh._sync_weights(trainer, root)
-    assert len(fresh.engine.pushes) == 1  # unchanged weights: no second push
-    at_boundary = _callback()
-    at_boundary.load_state_dict({**state, "cursor": 0})
-    assert at_boundary.rounds_completed == 4
 
 
 def test_a_resumed_run_equals_an_uninterrupted_one(lm_dir, tmp_path):
@@ -140,7 +113,7 @@ def test_per_rank_divisibility_is_checked_at_setup():
     callback = _callback(group_size=3, batch_groups=4, num_minibatches=4)
     with pytest.raises(ValueError, match="algorithm.num_minibatches=4.*trainer.devices"):
         callback.setup(SimpleNamespace(world_size=2, global_rank=0), SimpleNamespace(), "fit")
-    assert callback.engine is None
+    assert callback.producer.side is None
 
 
 class Slots(DSPOModule):
@@ -160,7 +133,7 @@ def test_rounds_fill_their_slots_with_per_round_seeds_and_samples_every_n_rounds
     (seed·1,000,003 + round·1,009) + the call's number (1, `RolloutEnvironment`), with policy version = round. A
     round's first slot carries every micro-batch of the round (for the old logprobs), the second none; sample
     trajectories are written on rounds 0 and 2 (`sample_every_n_rounds` = 2)."""
-    import dspo.callbacks.environment_callback as env_module
+    import dspo.rollout.producer as env_module
 
     run = toy_run(lm_dir, str(tmp_path), 6, module_cls=Slots, seed=3, num_minibatches=2)
     written: list[int] = []
@@ -168,7 +141,7 @@ def test_rounds_fill_their_slots_with_per_round_seeds_and_samples_every_n_rounds
     samples: list = []
 
     def record_sample(trainer, group) -> None:
-        written.append(run.callback.rounds_completed)
+        written.append(run.callback.producer.state.completed)
         samples.append((trainer, group))
 
     run.callback._write_samples = record_sample
@@ -201,7 +174,8 @@ def test_rounds_fill_their_slots_with_per_round_seeds_and_samples_every_n_rounds
             assert [id(b) for b in slot.round_batches] == [id(b) for b in slot.micro_batches + following]
         else:
             assert slot.round_batches == []
-    assert run.callback.rounds_completed == 3 and run.callback.current is None and run.callback.cursor == 0
+    state = run.callback.producer.state
+    assert state.completed == 3 and state.current is None and state.cursor == 0
 
 
 def test_train_batches_must_be_round_slots():
@@ -272,8 +246,9 @@ def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_pa
 
     calls = []
     monkeypatch.setattr(pipeline, "predict", lambda agent, items, size, **kw: calls.append((agent, items, size, kw)))
-    callback = _callback()
-    callback.agent, callback.rounds_completed, callback.eval_batch_size = "agent", 7, 5
+    callback = EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig("unused"), eval_batch_size=5)
+    callback.producer.attach(LocalEngine(None, "agent", None))
+    callback.producer.state.completed = 7
     callback.predict(["q"])
     assert calls == [("agent", ["q"], 5, {"policy_version": 7, "progress": False})]
     written = []
@@ -294,26 +269,6 @@ def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_pa
     assert len(written) == 1
 
 
-def test_counters_and_the_keep_rate_estimate_survive_a_checkpoint():
-    callback = _callback()
-    callback.rounds_completed, callback.generated_tokens_total = 3, 1234.0
-    callback.environment = SimpleNamespace(keep_rate_estimate=0.42)
-    state = callback.state_dict()
-    assert (state["rounds_completed"], state["generated_tokens_total"], state["keep_rate_estimate"]) == (
-        3,
-        1234.0,
-        0.42,
-    )
-    restored = _callback()
-    restored.load_state_dict(state)
-    assert (restored.rounds_completed, restored.generated_tokens_total) == (3, 1234.0)
-    assert restored._engine_weights == -1  # the engine must be sent the restored weights
-    early = _callback()
-    early.environment = SimpleNamespace(keep_rate_estimate=0.9)
-    early.load_state_dict(state)
-    assert early.environment.keep_rate_estimate == 0.42
-
-
 def test_error_and_log_messages_word_for_word(lm_dir, tmp_path, caplog):
     import logging
 
@@ -329,80 +284,32 @@ def test_error_and_log_messages_word_for_word(lm_dir, tmp_path, caplog):
     assert str(wrong.value) == (
         "EnvironmentCallback expects RoundSlot train batches (RolloutDataModule), got <class 'list'>"
     )
-    callback = _callback()
-    callback.engine, callback.rounds_completed = RecordingEngine(version=5), 3
-    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), datamodule=None)
-    callback._engine_weights = 2  # the push below is skipped, as the bug the guard is for would skip it
-    with pytest.raises(RuntimeError) as stale:
-        callback._start_round(trainer, SimpleNamespace(weights_version=2))
-    assert str(stale.value) == (
-        "engine holds weights after 5 optimizer steps, the policy after 2; round 3 is starting: the weight push "
-        "was skipped (a bug in dspo; please report it)"
-    )
     mid_round = _callback()
     state = {**mid_round.state_dict(), "rounds_completed": 4, "cursor": 1}
-    with caplog.at_level(logging.INFO, logger="dspo.callbacks.environment_callback"):
+    names = ("dspo.callbacks.environment_callback", "dspo.rollout.producer")
+    with caplog.at_level(logging.INFO):
         mid_round.load_state_dict(state)
         run = toy_run(lm_dir, str(tmp_path), 1)
         run.trainer.fit(run.module, datamodule=run.datamodule)
-    messages = [r.getMessage() for r in caplog.records if r.name == "dspo.callbacks.environment_callback"]
+    messages = [r.getMessage() for r in caplog.records if r.name in names]
     assert messages == [
         "checkpoint was taken mid-round; resuming with a fresh round 5",
         f"exported the trained policy to {tmp_path / 'model'}",
     ]
 
 
-def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_rate(lm_dir):
-    """Outside the stand-ins: setup loads the tokenizer, builds the engine from its factory with the model path, the
-    search agent around it and a rank's RolloutEnvironment (B / W groups), applies a keep-rate estimate restored
-    before setup, attaches itself to the module, and builds nothing again on a second call."""
-    from dspo.rollout.agent import SearchAgent
-
-    built = []
-
-    def factory(model_path: str) -> RecordingEngine:
-        built.append(model_path)
-        return RecordingEngine()
-
-    model = ModelConfig(path=lm_dir, tokenizer="data/tokenizers/qwen2.5")
-    algo = AlgorithmConfig(group_size=2, batch_groups=4)
-    callback = EnvironmentCallback(factory, AgentConfig(), "retriever", algo, model)
-    callback._keep_rate_estimate = 0.25  # as load_state_dict leaves it when it runs before setup
-    module = SimpleNamespace()
-    callback.setup(SimpleNamespace(world_size=2, global_rank=1), module, "fit")
-    assert built == [lm_dir] and not vars(module)  # nothing attached to the module
-    assert isinstance(callback.agent, SearchAgent) and callback.agent.engine is callback.engine
-    assert callback.agent.retriever == "retriever" and callback.tokenizer.pad_token_id is not None
-    assert callback.environment.agent is callback.agent and callback.environment.local_target == 2
-    assert callback.environment.keep_rate_estimate == 0.25
-    engine = callback.engine
-    callback.setup(SimpleNamespace(world_size=2, global_rank=1), module, "validate")
-    assert built == [lm_dir] and callback.engine is engine
-
-
 def test_validation_and_test_first_push_weights_that_changed():
-    callback = _callback()
-    callback.engine = RecordingEngine(version=0)
-    callback._engine_weights = 0
+    callback, engine = _callback(), RecordingEngine(version=0)
+    callback.producer.attach(LocalEngine(engine, None, None))
     trainer = SimpleNamespace(strategy=SimpleNamespace(model=None))
     callback.on_validation_start(trainer, _Root(weights_version=0))
-    assert callback.engine.pushes == []  # the engine already holds these weights
+    assert engine.pushes == []  # the engine already holds these weights
     root = _Root(weights_version=3)
     callback.on_test_start(trainer, root)
-    assert [v for v, _ in callback.engine.pushes] == [3] and callback.engine.version == 3
-    assert torch.equal(callback.engine.pushes[0][1]["weight"], root.policy.weight)
+    assert [v for v, _ in engine.pushes] == [3] and engine.version == 3
+    assert torch.equal(engine.pushes[0][1]["weight"], root.policy.weight)
     callback.on_validation_start(trainer, root)
-    assert len(callback.engine.pushes) == 1
-
-
-def test_constructor_defaults_and_an_old_checkpoint_without_the_newer_counters():
-    callback = _callback()
-    assert (callback.seed, callback.eval_batch_size, callback.sample_every_n_rounds) == (0, 64, 5)
-    assert callback._keep_rate_estimate is None and callback.rounds_completed == 0 and callback.cursor == 0
-    old = {"rounds_completed": 6, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-    callback.load_state_dict(old)  # written before generated_tokens_total, cursor and the keep-rate were stored
-    assert callback.rounds_completed == 6 and callback.generated_tokens_total == 0.0
-    assert callback._keep_rate_estimate is None
+    assert len(engine.pushes) == 1
 
 
 class _SavingTokenizer:
@@ -417,15 +324,15 @@ class _SavingTokenizer:
 
 def test_the_export_writes_the_tokenizer_beside_the_model(lm_dir, tmp_path):
     run = toy_run(lm_dir, str(tmp_path), 1)
-    run.callback.tokenizer = _SavingTokenizer()
+    run.callback.producer.tokenizer = _SavingTokenizer()
     run.trainer.fit(run.module, datamodule=run.datamodule)
-    assert run.callback.tokenizer.saved_to == [str(tmp_path / "model")]
+    assert run.callback.producer.tokenizer.saved_to == [str(tmp_path / "model")]
 
 
 def test_each_round_tells_the_environment_where_training_is_and_uses_its_credit(lm_dir, tmp_path):
     """Issue 27: before a round the environment's tools learn the step (curricula), and the round's advantages follow
     the reward's credit; a per-turn credit with a sequence-level objective is refused when the callback is built."""
-    import dspo.callbacks.environment_callback as env_module
+    import dspo.rollout.producer as env_module
     from dspo.env import Environment, SubEMReward
 
     class RecordingEnv:

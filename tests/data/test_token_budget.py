@@ -68,7 +68,9 @@ def test_the_gradient_of_a_minibatch_equals_the_fixed_size_paths(tmp_path, loss)
     class Probe(DSPOModule):
         def _clip_gradients(self):
             self.grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
-            self.micro = [tuple(b.input_ids.shape) for b in self.trainer.callbacks[0].current.minibatches[0]]
+            self.micro = [
+                tuple(b.input_ids.shape) for b in self.trainer.callbacks[0].producer.state.current.minibatches[0]
+            ]
             return super()._clip_gradients()
 
     runs = {}

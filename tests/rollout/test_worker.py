@@ -18,17 +18,17 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.callbacks.environment_callback import EnvironmentCallback
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
-from dspo.rollout.worker import (
-    EngineProcess,
-    EngineProcessDied,
-    EngineProcessError,
-    WorkerSpec,
-    colocated_device,
-    engine_devices_for,
-    split_cores,
-    staleness_stats,
+from dspo.rollout.placement import colocated_device, engine_devices_for, split_cores
+from dspo.rollout.worker import EngineProcess, EngineProcessDied, EngineProcessError, WorkerSpec, staleness_stats
+from dspo.testing import (
+    build_toy_lm,
+    recording_engine,
+    report_environment_agent,
+    scripted_agent,
+    toy_items,
+    toy_run,
+    weights_echo_agent,
 )
-from dspo.testing import build_toy_lm, recording_engine, report_environment_agent, scripted_agent, toy_items, toy_run
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 
@@ -123,6 +123,52 @@ def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
     assert worker.process is None
 
 
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+@pytest.mark.parametrize("transfer", ["shared_memory", "gloo"])
+def test_weights_reach_the_engine_process_exactly_by_either_transport(transfer):
+    """`rollout.weight_transfer`: host shared memory, or a gloo group between the trainer and its engine process (the
+    code path NCCL takes on GPUs). The engine loads the pushed tensors exactly, once per new version: a push of the
+    round count only (a skipped step) moves the bound without reloading."""
+    import json
+
+    worker = EngineProcess(_spec(max_staleness=1, build_agent=weights_echo_agent, weight_transfer=transfer))
+    initial = [("a", torch.zeros(3)), ("b", torch.zeros(2, 2, dtype=torch.float64))]
+    trained = [("a", torch.tensor([0.5, 1.25, 2.0])), ("b", torch.full((2, 2), 0.1, dtype=torch.float64))]
+
+    def echo(index: int) -> dict:
+        sampled, _ = worker.take_round(index)
+        return {**json.loads(sampled.groups[0].trajectories[0].response_text), "round": sampled.weights_round}
+
+    try:
+        worker.start(PromptSampler(toy_items(), seed=0), None, 0, initial)
+        worker.push_weights(initial, 0, 0, (0, 10))
+        zeros = {"a": 0.0, "b": 0.0}
+        assert [echo(0), echo(1)] == [{"version": 0, "loads": 1, "sums": zeros, "round": 0}] * 2
+        worker.push_weights(trained, 1, 1, (1, 10))
+        worker.push_weights(None, 2, 1, (2, 10))  # a skipped step: same weights, one more round completed
+        sums = {"a": 3.75, "b": float(torch.full((2, 2), 0.1, dtype=torch.float64).sum())}
+        assert echo(2)["sums"] == sums
+        assert echo(3) == {"version": 1, "loads": 2, "sums": sums, "round": 2}
+    finally:
+        worker.close()
+    assert worker.process is None
+
+
+def test_weight_transfer_settings_are_checked():
+    from dspo.rollout.transfer import check_transfer
+
+    assert check_transfer("gloo", colocated=True, cuda=False) == "gloo"
+    assert check_transfer("nccl", colocated=False, cuda=True) == "nccl"
+    with pytest.raises(ValueError, match="rollout.weight_transfer='ipc': use one of shared_memory, gloo, nccl"):
+        check_transfer("ipc")
+    with pytest.raises(ValueError, match="nccl needs the trainer on CUDA GPUs; on CPU use gloo or shared_memory"):
+        check_transfer("nccl", colocated=False, cuda=False)
+    with pytest.raises(ValueError, match="NCCL cannot join two processes on one GPU.*rollout.engine_devices"):
+        check_transfer("nccl", colocated=True, cuda=True)
+    with pytest.raises(ValueError, match="rollout.weight_transfer='ipc'"):
+        EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig("m"), weight_transfer="ipc")
+
+
 # ------------------------------------------------------------------------------------------------- training
 class RoundLog(pl.Callback):
     """Per round: the prompts and the policy versions that sampled them (read from the environment callback)."""
@@ -131,7 +177,7 @@ class RoundLog(pl.Callback):
         self.environment, self.rounds = environment, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        groups = self.environment.current.groups
+        groups = self.environment.producer.state.current.groups
         versions = sorted({t.policy_version for g in groups for t in g.trajectories})
         self.rounds.append(([g.item.id for g in groups], versions))
 
@@ -155,7 +201,7 @@ def test_one_round_ahead_trains_on_the_same_prompts_one_round_stale(lm_dir, tmp_
     assert [versions for _, versions in log.rounds] == [[0], [0], [1], [2]]
     assert [versions for _, versions in sync_log.rounds] == [[0], [1], [2], [3]]
     assert [ids for ids, _ in log.rounds] == [ids for ids, _ in sync_log.rounds]
-    assert run.callback.worker is None
+    assert run.callback.producer.side.worker is None
     from safetensors.torch import load_file
 
     start, end = load_file(str(Path(lm_dir) / "model.safetensors")), run.module.policy.state_dict()
@@ -180,7 +226,7 @@ class KillEngine(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step:
-            os.kill(self.environment.worker.pid, signal.SIGKILL)
+            os.kill(self.environment.producer.side.worker.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
@@ -193,7 +239,7 @@ def test_an_engine_process_that_dies_ends_the_run_with_a_failure_checkpoint(lm_d
         fit_or_checkpoint(run.trainer, run.module, run.datamodule, None)
     assert (tmp_path / "checkpoints" / "failure.ckpt").is_file()
     # killed after step 2: round 2 may already have been generated (one round ahead), round 3 never is
-    assert run.trainer.global_step in (2, 3) and run.callback.worker is None
+    assert run.trainer.global_step in (2, 3) and run.callback.producer.side.worker is None
 
 
 def test_engine_devices_give_each_local_rank_its_own_engine_gpus():
@@ -234,7 +280,7 @@ class Preempt(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step:
-            self.engine_pid = self.environment.worker.pid
+            self.engine_pid = self.environment.producer.side.worker.pid
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -250,7 +296,7 @@ def test_preemption_saves_at_the_round_end_and_stops_the_engine_process(lm_dir, 
     # the signal arrives after step 2's end was checked: the next round (step 3) ends, is saved, and the run stops
     assert run.trainer.global_step == 3 and saver.saved_to == str(tmp_path / "ckpt" / "last.ckpt")
     assert torch.load(saver.saved_to, weights_only=False)["global_step"] == 3
-    assert run.callback.worker is None
+    assert run.callback.producer.side.worker is None
     with pytest.raises(ProcessLookupError):  # stopped and reaped
         os.kill(preempt.engine_pid, 0)
 

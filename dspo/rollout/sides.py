@@ -1,0 +1,205 @@
+"""The two engine sides a `RoundProducer` drives: this process (max_staleness 0) or an engine process (k >= 1).
+
+Both answer the same calls: `push` (the policy's weights, when they changed), `generate` (round r's kept groups, their
+statistics and when they were generated), `predict` (greedy answers at the current weights), `sleep` / `wake` (the
+CUDA engine's memory during the update) and `close`. The weight version the engine holds is not theirs: it is
+`RoundState.engine_version`, the producer's one round/version state, which they read and advance.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from dspo.models.weights import policy_weights
+from dspo.rollout.environment import RolloutEnvironment
+from dspo.rollout.placement import colocated_device, engine_devices_for, share_the_cpu
+from dspo.rollout.transfer import check_transfer
+from dspo.rollout.worker import EngineProcess, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def _root(trainer, pl_module):
+    """The module whose parameters the strategy holds (FSDP's wrapped root gathers full parameters)."""
+    return trainer.strategy.model if trainer.strategy.model is not None else pl_module
+
+
+def _round_seed(seed: int, round_index: int) -> int:
+    return seed * 1_000_003 + round_index * 1_009
+
+
+class LocalEngine:
+    """max_staleness 0: the engine, the agent and the group filter in this process; a round is generated when training
+    asks for it, by the weights after the previous round's last optimizer step (strictly on-policy)."""
+
+    def __init__(self, engine: Any, agent: Any, environment: RolloutEnvironment) -> None:
+        self.engine, self.agent, self.environment = engine, agent, environment
+
+    @classmethod
+    def build(cls, spec: WorkerSpec, tokenizer: Any) -> LocalEngine:
+        from dspo.rollout.agent import SearchAgent
+
+        engine = spec.engine(model_path=spec.model.path)
+        if spec.build_agent is not None:
+            agent = spec.build_agent(engine, spec)
+        else:
+            agent = SearchAgent(engine, tokenizer, spec.env, spec.agent)
+        return cls(engine, agent, RolloutEnvironment(agent, spec.algorithm, spec.rank, spec.world_size))
+
+    @property
+    def credit(self) -> str:
+        return getattr(getattr(self.agent, "env", None), "credit", "trajectory")
+
+    @property
+    def keep_rate_estimate(self) -> float | None:
+        return self.environment.keep_rate_estimate
+
+    @keep_rate_estimate.setter
+    def keep_rate_estimate(self, value: float) -> None:
+        self.environment.keep_rate_estimate = float(value)
+
+    def push(self, trainer, pl_module, state, sampler=None) -> None:
+        """Algorithm 1 step 1: push the policy into the engine if it changed (gathers full params under FSDP).
+
+        "Changed" means the module's count of applied optimizer steps moved: a skipped (non-finite) step leaves the
+        weights, hence the engine, as they were, and the next round is sampled from them."""
+        self.wake()
+        version = pl_module.weights_version
+        if state.engine_version == version:
+            return
+        self.engine.push_weights(policy_weights(_root(trainer, pl_module)), version=version)
+        state.engine_version = version
+
+    def generate(self, trainer, pl_module, state, sampler, seed: int):
+        """Round `state.completed`: push the policy if it changed, then generate here, now."""
+        started, round_index = time.time(), state.completed
+        self.push(trainer, pl_module, state)
+        weights = pl_module.weights_version
+        if getattr(self.engine, "version", weights) != weights:
+            raise RuntimeError(
+                f"engine holds weights after {self.engine.version} optimizer steps, the policy after {weights}; "
+                f"round {round_index} is starting: the weight push was skipped (a bug in dspo; please report it)"
+            )
+        env = getattr(self.agent, "env", None)
+        if env is not None:  # curricula (a simulator's growing noise) read where training is
+            env.on_progress(trainer.global_step, trainer.max_steps)
+        groups, stats = self.environment.sample_round(
+            sampler,
+            policy_version=round_index,
+            seed=_round_seed(seed, round_index),
+            all_done=lambda done: trainer.strategy.reduce_boolean_decision(done, all=True),
+        )
+        return groups, stats, (started, time.time())
+
+    def predict(self, items: list, round_index: int, eval_batch_size: int) -> list:
+        from dspo.eval.pipeline import predict
+
+        return predict(self.agent, items, eval_batch_size, policy_version=round_index, progress=False)
+
+    def sleep(self) -> None:
+        """With `rollout.engine.sleep_during_update` (CUDA vLLM): the engine frees the GPU for the update (vLLM sleep
+        level 1: weights offloaded to host memory, KV cache dropped); `push` wakes it first."""
+        if getattr(self.engine, "sleep_during_update", False) and not self.engine.asleep:
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        if getattr(self.engine, "asleep", False):
+            self.engine.wake_up()
+
+    def close(self, state) -> None:
+        """The in-process engine lives as long as the producer (a later fit/validate/test reuses it)."""
+
+
+class EngineProcessSide:
+    """max_staleness k >= 1: the engine, agent, filter and a copy of the sampler in a spawned engine process
+    (`dspo.rollout.worker`), started at the first push; rounds are taken from it in order."""
+
+    def __init__(self, spec: WorkerSpec, engine_cores: str, engine_threads: int | None, engine_devices) -> None:
+        self.spec, self.engine_cores, self.engine_threads = spec, engine_cores, engine_threads
+        self.engine_devices = engine_devices
+        self.worker: EngineProcess | None = None
+        self.keep_rate_estimate: float | None = None  # the engine process's prior, as of the last round taken
+        self._saved_cpu: tuple | None = None  # (affinity or None, torch threads) to restore when the process stops
+
+    @property
+    def credit(self) -> str:
+        return getattr(self.spec.env, "credit", "trajectory")
+
+    def push(self, trainer, pl_module, state, sampler=None) -> None:
+        """Start the engine process on first use, then send the policy (only when it changed; the completed-round
+        count, which moves the staleness bound, always)."""
+        version = pl_module.weights_version
+        changed = state.engine_version != version
+        weights = list(policy_weights(_root(trainer, pl_module))) if changed or self.worker is None else None
+        if self.worker is None:
+            self.worker = EngineProcess(self._spec(trainer))
+            fitting = trainer.training or getattr(trainer.state, "fn", None) == "fit"
+            # evaluation only: no rounds to produce
+            self.worker.start(sampler if fitting else None, self.keep_rate_estimate, state.completed, weights)
+        self.worker.push_weights(weights, state.completed, version, (trainer.global_step, trainer.max_steps))
+        state.engine_version = version
+
+    def _spec(self, trainer) -> WorkerSpec:
+        local = max(1, trainer.world_size // max(trainer.num_nodes, 1))
+        engine_threads, cores, self._saved_cpu = share_the_cpu(self.engine_cores, self.engine_threads, local)
+        log.info("engine process: %d thread(s), cores %s; trainer: %d", engine_threads, cores, torch.get_num_threads())
+        devices = engine_devices_for(self.engine_devices, trainer.local_rank, local)
+        cuda = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
+        check_transfer(self.spec.weight_transfer, colocated=devices is None, cuda=cuda)
+        return replace(
+            self.spec,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            threads=engine_threads,
+            cores=cores,
+            visible_devices=devices
+            or colocated_device(trainer.strategy.root_device, os.environ.get("CUDA_VISIBLE_DEVICES")),
+        )
+
+    def generate(self, trainer, pl_module, state, sampler, seed: int):
+        """The round the engine process generated (up to max_staleness rounds ago); every rank fails together."""
+        round_index = state.completed
+        self.push(trainer, pl_module, state, sampler)
+        failure = None
+        try:
+            sampled, waited = self.worker.take_round(round_index)
+        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+            failure = error
+        if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(failure is None, all=True):
+            raise failure or RuntimeError(f"another rank's engine process failed in round {round_index}; see its log")
+        if failure is not None:
+            raise failure
+        sampler.load_state_dict(sampled.end_state["sampler"])  # what a checkpoint saves: round r+1's start
+        self.keep_rate_estimate = sampled.end_state["keep_rate_estimate"]
+        stats = dict(sampled.stats)
+        stats["rollout/trainer_wait_s"] = waited
+        stats["rollout/producer_idle_s"] = sampled.idle_s
+        return sampled.groups, stats, sampled.generation
+
+    def predict(self, items: list, round_index: int, eval_batch_size: int) -> list:
+        return self.worker.predict(items, round_index)
+
+    def sleep(self) -> None:
+        """The engine process generates during the update: it never sleeps (`check_staleness` refuses the setting)."""
+
+    def wake(self) -> None:
+        """See `sleep`."""
+
+    def close(self, state) -> None:
+        """Stop the engine process and give the trainer its cores and threads back; a later push starts a new one."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+            state.engine_version = -1
+        if self._saved_cpu is not None:
+            cores, threads = self._saved_cpu
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._saved_cpu = None

@@ -1,0 +1,217 @@
+"""How the policy's weights reach the engine process (`rollout.weight_transfer`; issue 28, point 3).
+
+Two transports, one protocol. The trainer calls `send(weights or None, completed_rounds, version)` after every round
+(None: unchanged weights, a skipped step; the round count, which moves the staleness bound, still travels) and then
+puts a ("weights", sequence number, progress) command on the engine process's queue; between two rounds the engine
+process calls `receive(sequence number, load, loaded_version)`, which loads the newest weights into its engine if their
+version differs from what it holds, and returns their completed-round count. Neither side waits for the other's round:
+
+- `shared_memory` (default): `share_memory_()` host tensors allocated at the first push and written under a lock with
+  a header [completed rounds, optimizer steps]. On a GPU box this is a device-to-host copy per push.
+- `gloo` / `nccl`: a two-member process group (the trainer rank and its own engine process, rank 0 and 1) made
+  directly over a TCPStore on 127.0.0.1, beside any training process group. The trainer broadcasts a header and the
+  tensors in name order; a receiver thread in the engine process takes them into staging buffers while the engine
+  generates, and the engine loads them between rounds. With `nccl` the tensors go GPU to GPU (the trainer's GPU to the
+  engine's own, `rollout.engine_devices`): NCCL cannot join two processes on one GPU, so a colocated engine keeps
+  `shared_memory` (CUDA IPC, the zero-copy path for that layout, is not written). `gloo` runs the same code on CPU,
+  which is how it is tested here; `nccl` has not run (no GPU).
+
+Departure from verl / TRL / prime-rl: they use vLLM's own NCCL communicator inside vLLM's workers; dspo's engine
+process owns its engine in-process, so a torch process group between the two processes is enough and one code path
+serves CPU (gloo) and GPU (nccl).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+TRANSFERS = ("shared_memory", "gloo", "nccl")
+# the engine's receiver waits for the next push through a whole update, validation and checkpoint; a side that dies
+# closes its sockets, which ends the other side's wait at once, so the timeout only bounds a hung peer
+_TIMEOUT = datetime.timedelta(hours=24)
+
+Named = list[tuple[str, torch.Tensor]]
+Loader = Callable[[Named, int], None]  # (named tensors, optimizer-step version) -> loads them into the engine
+
+
+def check_transfer(kind: Any, colocated: bool = False, cuda: bool = True) -> str:
+    """`rollout.weight_transfer`: its name when the callback is built, then (`colocated`: the engine process on its
+    rank's own device; `cuda`: the trainer on a GPU) when the engine process is set up."""
+    if kind not in TRANSFERS:
+        raise ValueError(f"rollout.weight_transfer={kind!r}: use one of {', '.join(TRANSFERS)}")
+    if kind == "nccl" and not cuda:
+        raise ValueError(
+            "rollout.weight_transfer=nccl needs the trainer on CUDA GPUs; on CPU use gloo or shared_memory"
+        )
+    if kind == "nccl" and colocated:
+        raise ValueError(
+            "rollout.weight_transfer=nccl with the engine process on its rank's own GPU: NCCL cannot join two "
+            "processes on one GPU. Give the engines their own GPUs (rollout.engine_devices, docs/scaling.md) or use "
+            "rollout.weight_transfer=shared_memory"
+        )
+    return kind
+
+
+class SharedMemoryTransfer:
+    """Host shared memory: written under a lock by the trainer, read under it by the engine process."""
+
+    def __init__(self, ctx) -> None:
+        self.lock = ctx.Lock()
+        self.header = torch.zeros(2, dtype=torch.int64).share_memory_()  # [completed rounds, optimizer steps]
+        self.shared: dict[str, torch.Tensor] = {}
+
+    # trainer side
+    def allocate(self, named: Named) -> None:
+        """Before the engine process is spawned (the buffers travel with it)."""
+        self.shared = {name: torch.empty(t.shape, dtype=t.dtype).share_memory_() for name, t in named}
+
+    def connect_trainer(self) -> None:
+        """Nothing to connect: the buffers were shared at spawn."""
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int) -> None:
+        with self.lock:
+            for name, tensor in weights or ():
+                if name not in self.shared:
+                    raise KeyError(f"push_weights: {name!r} was not in the first push (the policy's names changed)")
+                self.shared[name].copy_(tensor.detach())
+            self.header.copy_(torch.tensor([completed, version]))
+
+    # engine side
+    def connect_engine(self) -> None:
+        """Nothing to connect (see `connect_trainer`)."""
+
+    def receive(self, sequence: int, load: Loader, loaded_version: int | None) -> tuple[int, int]:
+        """(completed rounds, version) of the newest weights, loaded first if their version is not `loaded_version`."""
+        with self.lock:  # the trainer writes these tensors under the same lock
+            completed, version = (int(v) for v in self.header.tolist())
+            if version != loaded_version:
+                load(list(self.shared.items()), version)
+        return completed, version
+
+    def close(self) -> None:
+        """The buffers are freed with the last reference."""
+
+
+class CollectiveTransfer:
+    """A two-member gloo or NCCL group between the trainer (rank 0) and its engine process (rank 1)."""
+
+    def __init__(self, backend: str, device: str = "cpu") -> None:
+        self.backend, self.device = backend, device  # device: where the engine process keeps its staging buffers
+        self.layout: list[tuple[str, tuple, torch.dtype]] = []
+        self.port = 0
+        self._store = self._group = None
+
+    def _make_group(self, rank: int, is_master: bool):
+        import torch.distributed as dist
+
+        if not is_master:
+            self._store = dist.TCPStore("127.0.0.1", self.port, 2, False, timeout=_TIMEOUT)
+        if self.backend == "gloo":  # on the loopback interface: nothing listens beyond this machine
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            options._timeout = _TIMEOUT
+            return dist.ProcessGroupGloo(self._store, rank, 2, options)
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("rollout.weight_transfer=nccl: this torch build has no NCCL (a CPU build?); use gloo")
+        return dist.ProcessGroupNCCL(self._store, rank, 2, _TIMEOUT)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._group.broadcast([tensor], options).wait()
+
+    # trainer side
+    def allocate(self, named: Named) -> None:
+        """Record the layout and open the store (the engine process connects to it when it starts)."""
+        import torch.distributed as dist
+
+        self.layout = [(name, tuple(t.shape), t.dtype) for name, t in named]
+        self._store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=_TIMEOUT, wait_for_workers=False)
+        self.port = self._store.port
+
+    def connect_trainer(self) -> None:
+        """Join the group (the engine process's receiver thread is waiting for it)."""
+        self._group = self._make_group(0, is_master=True)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int) -> None:
+        named = list(weights or ())
+        self._broadcast(self._on_wire(torch.tensor([completed, version, int(bool(named))], dtype=torch.int64)))
+        if not named:
+            return
+        if [name for name, _ in named] != [name for name, _, _ in self.layout]:
+            raise KeyError("push_weights: the policy's parameter names changed since the first push")
+        for _, tensor in named:
+            self._broadcast(self._on_wire(tensor.detach().contiguous()))
+
+    def _on_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """gloo moves host tensors; NCCL device tensors (the trainer's own GPU)."""
+        if self.backend == "gloo":
+            return tensor.cpu()
+        return tensor if tensor.is_cuda else tensor.cuda()
+
+    # engine side
+    def connect_engine(self) -> None:
+        """Start the receiver thread: it joins the group, then takes every push into the staging buffers."""
+        self._ready = threading.Condition()
+        self._received, self._newest, self._failure = 0, (0, -1), None
+        device = "cpu" if self.backend == "gloo" else self.device
+        self._staging = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in self.layout}
+        self._thread = threading.Thread(target=self._receive_forever, name="dspo-weights", daemon=True)
+        self._thread.start()
+
+    def _receive_forever(self) -> None:
+        try:
+            self._group = self._make_group(1, is_master=False)
+            header = torch.zeros(3, dtype=torch.int64, device="cpu" if self.backend == "gloo" else self.device)
+            while True:
+                self._broadcast(header)  # waits for the trainer's next push
+                completed, version, changed = (int(v) for v in header.tolist())
+                with self._ready:  # the engine loads from the staging buffers under the same condition
+                    if changed:
+                        for tensor in self._staging.values():
+                            self._broadcast(tensor)
+                    self._newest = (completed, version)
+                    self._received += 1
+                    self._ready.notify_all()
+        except BaseException as error:  # noqa: BLE001 - the engine's loop raises it at its next receive
+            with self._ready:
+                self._failure = error
+                self._ready.notify_all()
+
+    def receive(self, sequence: int, load: Loader, loaded_version: int | None) -> tuple[int, int]:
+        with self._ready:
+            self._ready.wait_for(lambda: self._received >= sequence or self._failure is not None)
+            if self._failure is not None:
+                raise RuntimeError(f"rollout.weight_transfer={self.backend}: receiving weights failed") from (
+                    self._failure
+                )
+            completed, version = self._newest
+            if version != loaded_version:
+                load(list(self._staging.items()), version)
+        return completed, version
+
+    def close(self) -> None:
+        """Trainer side, after the engine process stopped: drop the group and the store (the engine process's
+        receiver thread, blocked in a collective, ends with its process)."""
+        self._group = self._store = None
+
+    def __getstate__(self) -> dict:
+        """What the engine process gets at spawn: the layout and where to connect (not the store or the group)."""
+        return {"backend": self.backend, "device": self.device, "layout": self.layout, "port": self.port}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._store = self._group = None
+
+
+def make_transfer(kind: str, ctx, engine_device: str = "cpu") -> SharedMemoryTransfer | CollectiveTransfer:
+    if kind == "shared_memory":
+        return SharedMemoryTransfer(ctx)
+    return CollectiveTransfer(kind, engine_device)

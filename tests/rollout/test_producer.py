@@ -1,0 +1,150 @@
+"""`RoundProducer`: the one round/version state, its checkpoint, the in-process engine side's push and version guard,
+and what `setup` builds (runs through Lightning: tests/callbacks/test_environment_callback.py)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from dspo.algorithms.config import AlgorithmConfig
+from dspo.models import ModelConfig
+from dspo.rollout.agent import AgentConfig
+from dspo.rollout.producer import RoundProducer, RoundState
+from dspo.rollout.sides import EngineProcessSide, LocalEngine
+from dspo.rollout.worker import WorkerSpec
+from dspo.testing import RecordingEngine, build_toy_lm
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory) -> str:
+    return build_toy_lm(str(tmp_path_factory.mktemp("toy_lm")))
+
+
+def _producer(engine=None, max_staleness: int = 0, **algorithm) -> RoundProducer:
+    spec = WorkerSpec(engine, None, None, AlgorithmConfig(**algorithm), ModelConfig(path="unused"), 0, max_staleness)
+    return RoundProducer(spec)
+
+
+class _Root(nn.Module):
+    def __init__(self, weights_version: int) -> None:
+        super().__init__()
+        self.policy, self.weights_version = nn.Linear(2, 2), weights_version
+
+
+def test_the_version_guard_stops_a_round_sampled_from_stale_weights():
+    producer = _producer()
+    producer.attach(LocalEngine(RecordingEngine(version=5), None, None))
+    producer.state.completed = 3
+    producer.state.engine_version = 2  # the push below is skipped, as the bug the guard is for would skip it
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), datamodule=None)
+    with pytest.raises(RuntimeError) as stale:
+        producer._start_round(trainer, SimpleNamespace(weights_version=2))
+    assert str(stale.value) == (
+        "engine holds weights after 5 optimizer steps, the policy after 2; round 3 is starting: the weight push "
+        "was skipped (a bug in dspo; please report it)"
+    )
+
+
+def test_resume_mid_round_starts_a_fresh_round_restores_rng_and_forces_a_push():
+    producer = _producer()
+    producer.state.completed, producer.state.cursor = 4, 1
+    state = producer.state_dict()
+    expected = (torch.rand(3), random.random())
+    fresh = _producer()
+    fresh.load_state_dict(state)
+    assert (fresh.state.completed, fresh.state.cursor, fresh.state.current) == (5, 0, None)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    engine = RecordingEngine(version=0)
+    fresh.attach(LocalEngine(engine, None, None))
+    root = _Root(weights_version=0)  # even at the engine's own version number: the engine holds the initial weights
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None))
+    fresh.push(trainer, root)
+    assert [v for v, _ in engine.pushes] == [0] and fresh.state.engine_version == 0
+    assert torch.equal(engine.pushes[0][1]["weight"], root.policy.weight)
+    fresh.push(trainer, root)
+    assert len(engine.pushes) == 1  # unchanged weights: no second push
+    at_boundary = _producer()
+    at_boundary.load_state_dict({**state, "cursor": 0})
+    assert at_boundary.state.completed == 4
+
+
+def test_counters_and_the_keep_rate_estimate_survive_a_checkpoint():
+    producer = _producer()
+    producer.state.completed, producer.state.generated_tokens_total = 3, 1234.0
+    producer.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.42)))
+    state = producer.state_dict()
+    assert (state["rounds_completed"], state["generated_tokens_total"], state["keep_rate_estimate"]) == (
+        3,
+        1234.0,
+        0.42,
+    )
+    restored = _producer()
+    restored.load_state_dict(state)
+    assert (restored.state.completed, restored.state.generated_tokens_total) == (3, 1234.0)
+    assert restored.state.engine_version == -1  # the engine must be sent the restored weights
+    assert restored.keep_rate_estimate == 0.42  # kept until the engine side exists, then handed to its filter
+    restored.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
+    assert restored.side.environment.keep_rate_estimate == 0.42
+    early = _producer()
+    early.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
+    early.load_state_dict(state)  # the side exists already (Lightning restores after setup)
+    assert early.side.environment.keep_rate_estimate == 0.42
+
+
+def test_an_old_checkpoint_without_the_newer_counters_and_the_initial_state():
+    producer = _producer()
+    assert producer.state == RoundState() and producer.keep_rate_estimate is None
+    assert (producer.state.completed, producer.state.cursor, producer.state.engine_version) == (0, 0, 0)
+    old = {"rounds_completed": 6, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+    producer.load_state_dict(old)  # written before generated_tokens_total, cursor and the keep-rate were stored
+    assert producer.state.completed == 6 and producer.state.generated_tokens_total == 0.0
+    assert producer.keep_rate_estimate is None
+
+
+def test_step_done_closes_a_round_after_its_last_minibatch_and_hands_back_its_timeline():
+    producer = _producer()
+    producer.state.current = SimpleNamespace(minibatches=[["a"], ["b"]])
+    producer.timeline = {"round": 0}
+    assert producer.step_done() is None and producer.state.cursor == 1 and not producer.state.round_done
+    assert producer.step_done() == {"round": 0}
+    assert (producer.state.completed, producer.state.cursor, producer.state.current) == (1, 0, None)
+    assert producer.state.round_done and producer.timeline is None
+
+
+def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_rate(lm_dir):
+    """Outside the stand-ins: setup loads the tokenizer, builds the engine from its factory with the model path, the
+    search agent around it and a rank's RolloutEnvironment (B / W groups), applies a keep-rate estimate restored
+    before setup, and builds nothing again on a second call; at k >= 1 it builds the engine-process side only (the
+    process starts at the first push)."""
+    from dspo.rollout.agent import SearchAgent
+
+    built = []
+
+    def factory(model_path: str) -> RecordingEngine:
+        built.append(model_path)
+        return RecordingEngine()
+
+    model = ModelConfig(path=lm_dir, tokenizer="data/tokenizers/qwen2.5")
+    algo = AlgorithmConfig(group_size=2, batch_groups=4)
+    producer = RoundProducer(WorkerSpec(factory, AgentConfig(), "retriever", algo, model, 0, 0))
+    producer.state.keep_rate_estimate = 0.25  # as load_state_dict leaves it when it runs before setup
+    producer.setup(SimpleNamespace(world_size=2, global_rank=1), sampler="sampler")
+    side = producer.side
+    assert built == [lm_dir] and isinstance(side, LocalEngine) and producer.sampler == "sampler"
+    assert isinstance(side.agent, SearchAgent) and side.agent.engine is side.engine
+    assert side.agent.retriever == "retriever" and producer.tokenizer.pad_token_id is not None
+    assert side.environment.agent is side.agent and side.environment.local_target == 2
+    assert side.environment.keep_rate_estimate == 0.25
+    producer.setup(SimpleNamespace(world_size=2, global_rank=1), sampler=None)
+    assert built == [lm_dir] and producer.side is side and producer.sampler == "sampler"
+    ahead = RoundProducer(WorkerSpec(factory, AgentConfig(), "retriever", algo, model, 0, max_staleness=1))
+    ahead.state.keep_rate_estimate = 0.5
+    ahead.setup(SimpleNamespace(world_size=1, global_rank=0), sampler=None)
+    assert isinstance(ahead.side, EngineProcessSide) and ahead.side.worker is None and built == [lm_dir]
+    assert ahead.keep_rate_estimate == 0.5
+    ahead.close()  # nothing started: nothing to stop
+    assert ahead.state.engine_version == 0
