@@ -3,6 +3,8 @@
 
     .venv/bin/python bench/async.py                        # toy default and the 151k-vocabulary model, k = 0, 1, 2
     .venv/bin/python bench/async.py --workloads toy --rounds 4 --warmup-rounds 1   # smoke
+    .venv/bin/python bench/async.py --staleness 1 --engine-cores split --transfers shared_memory gloo \
+        --out outputs/bench/transfer.json                  # weights over shared memory vs a gloo group
     .venv/bin/python bench/async.py --update-shipped       # rewrite bench/results/async.json (the README's numbers)
 
 Each configuration is one `dspo-train` process (validation, checkpoints and the test pass off), one after the other,
@@ -126,10 +128,16 @@ def measure(name: str, overrides: list[str], spr: int, args: argparse.Namespace,
     result["engine_cores"] = engine_cores
     for k in args.staleness:
         for mode in args.engine_cores if k else ["split"]:
-            key = f"k{k}" if mode == "split" else f"k{k}_{mode}"
-            settings = [f"rollout.max_staleness={k}", f"rollout.engine_cores={mode}"]
-            out = run([*overrides, *settings], work / f"{name}_{key}", None, None, args.timeout_s)
-            result[key] = summarize(out, spr, args.warmup_rounds, k)
+            for transfer in args.transfers if k else ["shared_memory"]:
+                key = (
+                    f"k{k}"
+                    + (f"_{mode}" if mode != "split" else "")
+                    + (f"_{transfer}" if transfer != "shared_memory" else "")
+                )
+                settings = [f"rollout.max_staleness={k}", f"rollout.engine_cores={mode}"]
+                settings.append(f"rollout.weight_transfer={transfer}")
+                out = run([*overrides, *settings], work / f"{name}_{key}", None, None, args.timeout_s)
+                result[key] = summarize(out, spr, args.warmup_rounds, k)
     pinned = {"engine": engine_cores, "trainer": trainer_cores}
     shares = {"engine": None, "trainer": None}
     for side, cores in pinned.items():
@@ -182,6 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--engine-cores", nargs="+", default=["split", "shared"], choices=["split", "shared"],
         help="rollout.engine_cores of the k >= 1 runs (each is one run)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--transfers", nargs="+", default=["shared_memory"], choices=["shared_memory", "gloo"],
+        help="rollout.weight_transfer of the k >= 1 runs (each is one run; keys k1_gloo, ...)",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=10, help="rounds per run, warm-up included")
     parser.add_argument("--warmup-rounds", type=int, default=2, help="untimed rounds at the start of each run")

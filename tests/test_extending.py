@@ -240,7 +240,7 @@ def test_judge_tool_and_judged_reward_in_the_agent_loop_hand_computed(examples):
 
 
 @pytest.mark.slow
-def test_cli_run_with_every_example_plugin(run_train, short_default, tmp_path, monkeypatch):
+def test_cli_run_with_every_example_plugin(run_train, short_default_hf, tmp_path, monkeypatch):
     """The objective, the estimator, the tool and the reward through `dspo-train 'imports=[...]'`, as the guide runs
     them (an unknown name would be refused when the config is built, so a finished run used all four)."""
     from dspo.analysis import find_runs, load_scalars
@@ -254,7 +254,7 @@ def test_cli_run_with_every_example_plugin(run_train, short_default, tmp_path, m
         "+algorithm.loss_kwargs.lower_bound=true",
     ]
     args += ["algorithm.advantage=batch_std", "trainer.max_steps=2", "run_test=false"]
-    run_train([*short_default, "data.val_limit=4", *args], tmp_path / "outputs")
+    run_train([*short_default_hf, "data.val_limit=4", *args], tmp_path / "outputs")
     (run,) = find_runs(tmp_path / "outputs" / "train")
     config = (run.dir / ".hydra" / "config.yaml").read_text()
     assert "loss: seq_cispo" in config and "advantage: batch_std" in config and "lower_bound: true" in config

@@ -121,7 +121,7 @@ def csv_scalars(run_dir: Path) -> tuple[set[str], dict]:
 
 
 @pytest.mark.slow
-def test_every_logger_gets_the_same_scalars_and_the_resolved_config(run_train, short_default, tmp_path):
+def test_every_logger_gets_the_same_scalars_and_the_resolved_config(run_train, short_default_hf, tmp_path):
     from lightning.fabric.utilities.logger import _flatten_dict
 
     outputs, store = tmp_path / "outputs", tmp_path / "mlruns"
@@ -131,7 +131,7 @@ def test_every_logger_gets_the_same_scalars_and_the_resolved_config(run_train, s
         f"logger.mlflow.tracking_uri=file:{store}",
     ]
     args = [
-        *short_default,
+        *short_default_hf,
         "trainer.max_steps=2",
         "data.val_limit=4",
         "data.test_limit=4",

@@ -165,9 +165,9 @@ def _check_resume_is_safe(run_dir: Path, outputs: Path, args: list[str], cache: 
 
 
 @pytest.mark.slow
-def test_kill_and_resume_reaches_the_same_final_step(toy_cache, run_train, short_default, tmp_path):
+def test_kill_and_resume_reaches_the_same_final_step(toy_cache, run_train, short_default_hf, tmp_path):
     outputs = tmp_path / "outputs"
-    args = [*short_default, "trainer.max_steps=6", "run_name=killed", "run_test=false"]
+    args = [*short_default_hf, "trainer.max_steps=6", "run_name=killed", "run_test=false"]
     args.append("trainer.val_check_interval=100")
     process = subprocess.Popen(
         [sys.executable, "-m", "dspo.train", *args],
@@ -204,16 +204,33 @@ def test_kill_and_resume_reaches_the_same_final_step(toy_cache, run_train, short
 
 
 @pytest.mark.slow
-def test_two_run_multirun_sweep_and_notebook(run_train, short_default, tmp_path, monkeypatch):
+def test_multirun_sweep_one_round_ahead_and_notebook(toy_cache, run_train, short_default, tmp_path, monkeypatch):
+    """A Hydra multirun of two runs, each with `rollout.max_staleness=1` (issue 28 end to end: vLLM in an engine
+    process per run, started and stopped inside one sweep process): each run trains and exports, its second round is
+    one round stale, the waits and the timeline are logged, validation runs in the engine process, and the engine
+    process prints nothing the console filters would hide in the trainer. Then the notebook plots the sweep."""
     outputs = tmp_path / "outputs"
-    run_train(
-        ["-m", "algorithm=dspo,gspo", *short_default, "trainer.max_steps=2", "run_test=false"],
-        outputs,
-        timeout=1200,
-    )
+    args = ["-m", "algorithm=dspo,gspo", *short_default, "trainer.max_steps=4", "run_test=false"]
+    result = run_train([*args, "rollout.max_staleness=1"], outputs, timeout=1200)
+    assert not _unexpected_warnings(result.stdout + result.stderr), _unexpected_warnings(result.stdout + result.stderr)
     (sweep,) = list((outputs / "multirun").iterdir())
     runs = find_runs(sweep)
     assert sorted(r.algorithm for r in runs) == ["dspo", "gspo"]
+    start = _model_tensors(toy_cache / "toyworld" / "default" / "model")
+    for run in runs:
+        end = _model_tensors(run.dir / "model")
+        assert any(not torch.equal(start[k], end[k]) for k in start), run.dir  # parameters changed, exported
+        scalars = load_scalars(run.dir)
+        staleness = scalars[scalars.tag == "rollout/staleness_max"].sort_values("step").value.tolist()
+        assert staleness == [0.0, 0.0, 1.0, 1.0]  # round 1: by the initial weights, during round 0's update
+        assert {"rollout/trainer_wait_s", "rollout/producer_idle_s"} <= set(scalars.tag)
+        # round 0: the engine process sampled with the weights the trainer holds, so the two agree to float noise
+        diff = scalars[scalars.tag == "mismatch/logprob_diff_abs_mean"].sort_values("step").value.tolist()
+        assert diff[0] < 1e-3 and diff[1] < 1e-3
+        assert scalars[scalars.tag == "val/toy_2hop/subem"].step.tolist() == [0, 2, 4]  # in the engine process
+        timeline = [json.loads(line) for line in (run.dir / "timeline.jsonl").read_text().splitlines()]
+        assert [entry["round"] for entry in timeline] == [0, 1] and all(e["max_staleness"] == 1 for e in timeline)
+        assert torch.load(run.dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
     import nbformat
     from nbclient import NotebookClient
 
@@ -270,7 +287,7 @@ def _kill(process: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_run_outlives_a_retriever_restart_then_resumes_past_a_truncated_last_ckpt(
-    toy_cache, run_train, short_default, tmp_path
+    toy_cache, run_train, short_default_hf, tmp_path
 ):
     """Issue 19: SIGKILL dspo-serve mid-run and restart it; the run waits, then finishes every round. Then
     truncate last.ckpt (as a non-atomic writer killed mid-write would) and resume with ckpt_path=last."""
@@ -283,7 +300,7 @@ def test_run_outlives_a_retriever_restart_then_resumes_past_a_truncated_last_ckp
     index = toy_cache / "toyworld" / "default" / "world" / "bm25"
     url = f"http://127.0.0.1:{port}/retrieve"
     remote = ["retriever=remote", f"retriever.url={url}", "retriever.max_wait_s=120", "retriever.max_backoff_s=1"]
-    args = [*short_default, *remote, "run_name=flaky", "run_test=false", "trainer.val_check_interval=100"]
+    args = [*short_default_hf, *remote, "run_name=flaky", "run_test=false", "trainer.val_check_interval=100"]
     server = _start_server(index, port, server_log)
     with open(run_log, "w") as log:
         run = subprocess.Popen(
@@ -328,23 +345,3 @@ def test_run_outlives_a_retriever_restart_then_resumes_past_a_truncated_last_ckp
         _kill(server)
     assert f"skipping {last}" in resumed.stdout + resumed.stderr
     assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 8
-
-
-@pytest.mark.slow
-def test_one_round_ahead_with_the_real_engine_in_its_own_process(toy_cache, run_train, short_default, tmp_path):
-    """Issue 28: `rollout.max_staleness=1` end to end, vLLM in the engine process: the run trains and exports, the
-    second round is one round stale, the waits and the timeline are logged, and the engine process prints nothing the
-    console filters would hide in the trainer."""
-    args = [*short_default, "trainer.max_steps=4", "run_name=ahead", "rollout.max_staleness=1", "run_test=false"]
-    _, run = _train_and_check(run_train, toy_cache, args, tmp_path / "outputs")
-    scalars = load_scalars(run.dir)
-    staleness = scalars[scalars.tag == "rollout/staleness_max"].sort_values("step").value.tolist()
-    assert staleness == [0.0, 0.0, 1.0, 1.0]  # round 1 was generated by the initial weights, during round 0's update
-    assert {"rollout/trainer_wait_s", "rollout/producer_idle_s"} <= set(scalars.tag)
-    # round 0: the engine process sampled with the weights the trainer holds, so the two agree to float noise
-    diff = scalars[scalars.tag == "mismatch/logprob_diff_abs_mean"].sort_values("step").value.tolist()
-    assert diff[0] < 1e-3 and diff[1] < 1e-3
-    assert scalars[scalars.tag == "val/toy_2hop/subem"].step.tolist() == [0, 2, 4]  # validation in the engine process
-    timeline = [json.loads(line) for line in (run.dir / "timeline.jsonl").read_text().splitlines()]
-    assert [entry["round"] for entry in timeline] == [0, 1] and all(e["max_staleness"] == 1 for e in timeline)
-    assert torch.load(run.dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4

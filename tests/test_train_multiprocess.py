@@ -1,6 +1,7 @@
-"""`dspo-train` as a scheduler runs it: two DDP processes (gloo, one vLLM engine each) and a preemption signal.
+"""`dspo-train` as a scheduler runs it: two DDP processes (gloo, one engine each) and a preemption signal.
 
-Each test is a real subprocess on the toy default (shortened), like a user's command line."""
+Each test is a real subprocess on the toy default (shortened), like a user's command line, on the transformers engine
+(`short_default_hf`: what is tested here is not generation; multi-process vLLM runs in tests/test_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def _run_dir(outputs: Path, name: str) -> Path:
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_split_the_round_stay_identical_and_resume(run_train, short_default, tmp_path):
+def test_ddp_two_processes_split_the_round_stay_identical_and_resume(run_train, short_default_hf, tmp_path):
     outputs = tmp_path / "outputs"
     # B = 2 groups per round: one per rank; G = 4, M = 2 -> 2 sequences per rank and optimizer step. DAPO, so that the
     # token-mean normalizer is all-reduced across the ranks (dspo's sequence-level path runs multi-process in test_fsdp)
-    args = [*short_default, "trainer=ddp", "trainer.devices=2", "trainer.max_steps=4", "run_name=ddp", "algorithm=dapo"]
+    args = [*short_default_hf, "trainer=ddp", "trainer.devices=2", "trainer.max_steps=4", "run_name=ddp"]
+    args.append("algorithm=dapo")
     result = run_train(args, outputs)
     assert "dspo-train finished" in result.stdout
     run = _run_dir(outputs, "ddp")
@@ -50,9 +52,9 @@ def test_ddp_two_processes_split_the_round_stay_identical_and_resume(run_train, 
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_the_round_end_stops_cleanly_and_resumes(toy_cache, run_train, short_default, tmp_path):
+def test_sigterm_saves_at_the_round_end_stops_cleanly_and_resumes(toy_cache, run_train, short_default_hf, tmp_path):
     outputs = tmp_path / "outputs"
-    args = [*short_default, "trainer.max_steps=40", "trainer.val_check_interval=100", "run_name=preempted"]
+    args = [*short_default_hf, "trainer.max_steps=40", "trainer.val_check_interval=100", "run_name=preempted"]
     env = {**os.environ, "DSPO_CACHE": str(toy_cache), "DSPO_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "dspo.train", *args],

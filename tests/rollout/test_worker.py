@@ -92,8 +92,11 @@ def test_an_engine_that_sleeps_during_the_update_cannot_run_ahead_of_it():
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
 def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
     """k = 1: rounds 0 and 1 come from the initial weights; round 2 waits for the weights after round 1 and carries
-    their round count as every trajectory's policy_version. Then the process is killed: the trainer's wait says so."""
-    worker = EngineProcess(_spec(max_staleness=1))
+    their round count as every trajectory's policy_version, and the engine holds exactly the pushed tensors (shared
+    memory, the default transport). Then the process is killed: the trainer's wait says so."""
+    import json
+
+    worker = EngineProcess(_spec(max_staleness=1, build_agent=weights_echo_agent))
     weights = [("w", torch.zeros(3))]
     try:
         worker.start(PromptSampler(toy_items(), seed=0), None, 0, weights)
@@ -105,6 +108,10 @@ def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
         worker.push_weights([("w", torch.ones(3))], 1, 1, (1, 10))
         third, _ = worker.take_round(2)
         assert third.weights_round == 1
+        echoes = [json.loads(r.groups[0].trajectories[0].response_text) for r in (first, second, third)]
+        assert echoes == [{"version": 0, "loads": 1, "sums": {"w": 0.0}}] * 2 + [
+            {"version": 1, "loads": 2, "sums": {"w": 3.0}}
+        ]
         assert {t.policy_version for g in third.groups for t in g.trajectories} == {1}
         # each round records where the next one starts (over-sampled prompts included): a sampler set to the previous
         # round's end state draws this round's prompts first
@@ -124,14 +131,14 @@ def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
 
 
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
-@pytest.mark.parametrize("transfer", ["shared_memory", "gloo"])
-def test_weights_reach_the_engine_process_exactly_by_either_transport(transfer):
-    """`rollout.weight_transfer`: host shared memory, or a gloo group between the trainer and its engine process (the
-    code path NCCL takes on GPUs). The engine loads the pushed tensors exactly, once per new version: a push of the
-    round count only (a skipped step) moves the bound without reloading."""
+def test_weights_reach_the_engine_process_exactly_over_a_gloo_group():
+    """`rollout.weight_transfer=gloo`: a two-member group between the trainer and its engine process (the code path
+    NCCL takes on GPUs; shared memory is checked in the test above). The engine loads the pushed tensors exactly
+    (two dtypes), once per new version: a push of the round count only (a skipped step) moves the bound without
+    reloading."""
     import json
 
-    worker = EngineProcess(_spec(max_staleness=1, build_agent=weights_echo_agent, weight_transfer=transfer))
+    worker = EngineProcess(_spec(max_staleness=1, build_agent=weights_echo_agent, weight_transfer="gloo"))
     initial = [("a", torch.zeros(3)), ("b", torch.zeros(2, 2, dtype=torch.float64))]
     trained = [("a", torch.tensor([0.5, 1.25, 2.0])), ("b", torch.full((2, 2), 0.1, dtype=torch.float64))]
 
