@@ -20,7 +20,7 @@ from dspo.models.weights import policy_weights
 from dspo.rollout.environment import RolloutEnvironment
 from dspo.rollout.placement import colocated_device, engine_devices_for, share_the_cpu
 from dspo.rollout.transfer import check_transfer
-from dspo.rollout.worker import EngineProcess, WorkerSpec
+from dspo.rollout.worker import EngineProcess, WorkerSpec, round_seed
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,6 @@ log = logging.getLogger(__name__)
 def _root(trainer, pl_module):
     """The module whose parameters the strategy holds (FSDP's wrapped root gathers full parameters)."""
     return trainer.strategy.model if trainer.strategy.model is not None else pl_module
-
-
-def _round_seed(seed: int, round_index: int) -> int:
-    return seed * 1_000_003 + round_index * 1_009
 
 
 class LocalEngine:
@@ -92,7 +88,7 @@ class LocalEngine:
         groups, stats = self.environment.sample_round(
             sampler,
             policy_version=round_index,
-            seed=_round_seed(seed, round_index),
+            seed=round_seed(seed, round_index),
             all_done=lambda done: trainer.strategy.reduce_boolean_decision(done, all=True),
         )
         return groups, stats, (started, time.time())
@@ -152,6 +148,8 @@ class EngineProcessSide:
         devices = engine_devices_for(self.engine_devices, trainer.local_rank, local)
         cuda = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
         check_transfer(self.spec.weight_transfer, colocated=devices is None, cuda=cuda)
+        if cuda and devices is not None and self.spec.weight_transfer == "shared_memory":
+            log.info("weights go through host memory; rollout.weight_transfer=nccl sends them GPU to GPU")
         return replace(
             self.spec,
             rank=trainer.global_rank,

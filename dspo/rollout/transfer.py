@@ -13,8 +13,9 @@ version differs from what it holds, and returns their completed-round count. Nei
   tensors in name order; a receiver thread in the engine process takes them into staging buffers while the engine
   generates, and the engine loads them between rounds. With `nccl` the tensors go GPU to GPU (the trainer's GPU to the
   engine's own, `rollout.engine_devices`): NCCL cannot join two processes on one GPU, so a colocated engine keeps
-  `shared_memory` (CUDA IPC, the zero-copy path for that layout, is not written). `gloo` runs the same code on CPU,
-  which is how it is tested here; `nccl` has not run (no GPU).
+  `shared_memory` (CUDA IPC, the zero-copy path for that layout, is not written). Under FSDP the gathered tensors
+  are on the host (`policy_weights` offloads each one as it is gathered), so `nccl` copies them back to the trainer's
+  GPU first. `gloo` runs the same code on CPU, which is how it is tested here; `nccl` has not run (no GPU).
 
 Departure from verl / TRL / prime-rl: they use vLLM's own NCCL communicator inside vLLM's workers; dspo's engine
 process owns its engine in-process, so a torch process group between the two processes is enough and one code path
@@ -116,9 +117,15 @@ class CollectiveTransfer:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             options._timeout = _TIMEOUT
             return dist.ProcessGroupGloo(self._store, rank, 2, options)
+        return self.group_type()(self._store, rank, 2, _TIMEOUT)
+
+    def group_type(self):
+        """The process-group class of an NCCL transfer (gloo is built with its options in `_make_group`)."""
+        import torch.distributed as dist
+
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise RuntimeError("rollout.weight_transfer=nccl: this torch build has no NCCL (a CPU build?); use gloo")
-        return dist.ProcessGroupNCCL(self._store, rank, 2, _TIMEOUT)
+        return dist.ProcessGroupNCCL
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -177,6 +184,8 @@ class CollectiveTransfer:
                     if changed:
                         for tensor in self._staging.values():
                             self._broadcast(tensor)
+                        if self.backend == "nccl":  # NCCL's wait() orders streams only: the host waits here
+                            torch.cuda.synchronize()
                     self._newest = (completed, version)
                     self._received += 1
                     self._ready.notify_all()

@@ -17,6 +17,9 @@ between the trainer rank and its engine process, received by a thread while the 
 process copies the newest weights into the engine with `push_weights` between rounds (docs/scaling.md; NCCL not run
 here: no GPU).
 
+Who drives it: `dspo.rollout.sides.EngineProcessSide` (the trainer side of a `RoundProducer`); where it runs (cores,
+threads, GPUs): `dspo.rollout.placement`.
+
 Departures from common implementations: π_old is never the engine's logprobs (verl/prime-rl/TRL "bypass" it); it stays
 the trainer's own at the start of the round it trains (Eq. 6), and the engine-vs-old gap, staleness plus numerics, is
 what `algorithm.rollout_correction` weighs. Rounds in flight are not checkpointed: a resumed run regenerates them from
@@ -84,6 +87,11 @@ class SampledRound:
     end_state: dict[str, Any] = field(default_factory=dict)  # sampler + keep-rate prior after it: round r+1's start
     idle_s: float = 0.0  # time the engine process waited for weights before starting it
     generation: tuple[float, float] = (0.0, 0.0)  # time.time() when its generation started and ended
+
+
+def round_seed(seed: int, round_index: int) -> int:
+    """The sampling seed of round `round_index` of a run seeded `seed`, whichever process generates it."""
+    return seed * 1_000_003 + round_index * 1_009
 
 
 def _search_agent(engine, spec: WorkerSpec):
@@ -166,7 +174,7 @@ class _EngineSide:
             env.on_progress(*self.progress)
         started = time.time()
         groups, stats = self.environment.sample_round(
-            self.sampler, policy_version=self.loaded_round, seed=self.spec.seed * 1_000_003 + r * 1_009
+            self.sampler, policy_version=self.loaded_round, seed=round_seed(self.spec.seed, r)
         )
         end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.environment.keep_rate_estimate}
         timing = {"idle_s": self.idle_s, "generation": (started, time.time())}

@@ -135,7 +135,7 @@ def test_weights_reach_the_engine_process_exactly_over_a_gloo_group():
     """`rollout.weight_transfer=gloo`: a two-member group between the trainer and its engine process (the code path
     NCCL takes on GPUs; shared memory is checked in the test above). The engine loads the pushed tensors exactly
     (two dtypes), once per new version: a push of the round count only (a skipped step) moves the bound without
-    reloading."""
+    reloading. A killed engine process ends the run with `EngineProcessDied`, whether the push or the wait notices."""
     import json
 
     worker = EngineProcess(_spec(max_staleness=1, build_agent=weights_echo_agent, weight_transfer="gloo"))
@@ -156,6 +156,10 @@ def test_weights_reach_the_engine_process_exactly_over_a_gloo_group():
         sums = {"a": 3.75, "b": float(torch.full((2, 2), 0.1, dtype=torch.float64).sum())}
         assert echo(2)["sums"] == sums
         assert echo(3) == {"version": 1, "loads": 2, "sums": sums, "round": 2}
+        os.kill(worker.pid, signal.SIGKILL)  # the peer of the group is gone: the push or the next wait says so
+        with pytest.raises(EngineProcessDied, match="exited with code -9 while the trainer"):
+            worker.push_weights(trained, 3, 2, (3, 10))
+            worker.take_round(4)
     finally:
         worker.close()
     assert worker.process is None
@@ -174,6 +178,11 @@ def test_weight_transfer_settings_are_checked():
         check_transfer("nccl", colocated=True, cuda=True)
     with pytest.raises(ValueError, match="rollout.weight_transfer='ipc'"):
         EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig("m"), weight_transfer="ipc")
+    if not torch.cuda.is_available():  # a CPU build of torch has no NCCL: the group says so, naming the way out
+        from dspo.rollout.transfer import CollectiveTransfer
+
+        with pytest.raises(RuntimeError, match="this torch build has no NCCL .*use gloo"):
+            CollectiveTransfer("nccl").group_type()
 
 
 # ------------------------------------------------------------------------------------------------- training
