@@ -96,6 +96,8 @@ class EnvironmentCallback(pl.Callback):
             eval_batch_size=eval_batch_size,
             weight_transfer=check_transfer(weight_transfer),
         )
+        if not max_staleness and weight_transfer != "shared_memory":
+            log.warning("rollout.weight_transfer=%s does nothing at rollout.max_staleness=0", weight_transfer)
         devices = list(engine_devices) if engine_devices is not None else None
         self.producer = RoundProducer(spec, engine_cores, engine_threads, devices)
         self.algo, self.max_staleness = algorithm, spec.max_staleness

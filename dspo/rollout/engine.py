@@ -154,7 +154,7 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """vLLM sleep level 1 (weights to host memory, KV cache dropped): the trainer gets the GPU for the update.
-        The environment callback calls it after a round is generated and `wake_up` before the next weight push."""
+        The round producer (`LocalEngine.sleep`) calls it after a round is generated, `wake_up` before the next push."""
         self.llm.sleep(level=1)
         self.asleep = True
 

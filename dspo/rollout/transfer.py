@@ -9,13 +9,16 @@ version differs from what it holds, and returns their completed-round count. Nei
 - `shared_memory` (default): `share_memory_()` host tensors allocated at the first push and written under a lock with
   a header [completed rounds, optimizer steps]. On a GPU box this is a device-to-host copy per push.
 - `gloo` / `nccl`: a two-member process group (the trainer rank and its own engine process, rank 0 and 1) made
-  directly over a TCPStore on 127.0.0.1, beside any training process group. The trainer broadcasts a header and the
-  tensors in name order; a receiver thread in the engine process takes them into staging buffers while the engine
-  generates, and the engine loads them between rounds. With `nccl` the tensors go GPU to GPU (the trainer's GPU to the
-  engine's own, `rollout.engine_devices`): NCCL cannot join two processes on one GPU, so a colocated engine keeps
-  `shared_memory` (CUDA IPC, the zero-copy path for that layout, is not written). Under FSDP the gathered tensors
-  are on the host (`policy_weights` offloads each one as it is gathered), so `nccl` copies them back to the trainer's
-  GPU first. `gloo` runs the same code on CPU, which is how it is tested here; `nccl` has not run (no GPU).
+  directly over a TCPStore on 127.0.0.1, beside any training process group. The trainer announces each push on the
+  store (its header), then broadcasts the tensors in name order, cast to the engine's dtype (`rollout.engine.dtype`);
+  a receiver thread in the engine process takes them into staging buffers (allocated at the first push, after the
+  engine: one copy of the policy in the engine's dtype, e.g. 15 GB for 7B in bf16, on the engine's GPU with `nccl`)
+  while the engine generates, and the engine loads them between rounds. With `nccl` the tensors go GPU to GPU (the
+  trainer's GPU to the engine's own, `rollout.engine_devices`): NCCL cannot join two processes on one GPU, so a
+  colocated engine keeps `shared_memory` (CUDA IPC, the zero-copy path for that layout, is not written). Under FSDP
+  the gathered tensors are on the host (`policy_weights` offloads each one as it is gathered), so `nccl` copies them
+  back to the trainer's GPU first. `gloo` runs the same code on CPU, which is how it is tested here; `nccl` has not
+  run (no GPU).
 
 Departure from verl / TRL / prime-rl: they use vLLM's own NCCL communicator inside vLLM's workers; dspo's engine
 process owns its engine in-process, so a torch process group between the two processes is enough and one code path
@@ -25,13 +28,18 @@ serves CPU (gloo) and GPU (nccl).
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 TRANSFERS = ("shared_memory", "gloo", "nccl")
+_POLL_S = 0.5  # how often the engine process, waiting for announced weights, checks that its trainer still lives
 # the engine's receiver waits for the next push through a whole update, validation and checkpoint; a side that dies
 # closes its sockets, which ends the other side's wait at once, so the timeout only bounds a hung peer
 _TIMEOUT = datetime.timedelta(hours=24)
@@ -99,13 +107,20 @@ class SharedMemoryTransfer:
 
 
 class CollectiveTransfer:
-    """A two-member gloo or NCCL group between the trainer (rank 0) and its engine process (rank 1)."""
+    """A two-member gloo or NCCL group between the trainer (rank 0) and its engine process (rank 1).
 
-    def __init__(self, backend: str, device: str = "cpu") -> None:
+    Each push is announced on the host first (its header [completed rounds, version, changed] under the TCPStore key
+    `dspo/push/<n>`), so the engine side never leaves a collective posted between pushes (an NCCL kernel waiting on
+    the engine's GPU through a whole round would block any device-wide sync there); only a push with new weights
+    then broadcasts them, in the layout of the first push, cast to `wire_dtype` (the engine's dtype) when given."""
+
+    def __init__(self, backend: str, device: str = "cpu", wire_dtype: torch.dtype | None = None) -> None:
         self.backend, self.device = backend, device  # device: where the engine process keeps its staging buffers
+        self.wire_dtype = wire_dtype
         self.layout: list[tuple[str, tuple, torch.dtype]] = []
         self.port = 0
         self._store = self._group = None
+        self._sent = 0
 
     def _make_group(self, rank: int, is_master: bool):
         import torch.distributed as dist
@@ -134,6 +149,9 @@ class CollectiveTransfer:
         options.rootRank = 0
         self._group.broadcast([tensor], options).wait()
 
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
+
     # trainer side
     def allocate(self, named: Named) -> None:
         """Record the layout and open the store (the engine process connects to it when it starts)."""
@@ -149,13 +167,12 @@ class CollectiveTransfer:
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int) -> None:
         named = list(weights or ())
-        self._broadcast(self._on_wire(torch.tensor([completed, version, int(bool(named))], dtype=torch.int64)))
-        if not named:
-            return
-        if [name for name, _ in named] != [name for name, _, _ in self.layout]:
-            raise KeyError("push_weights: the policy's parameter names changed since the first push")
+        if named and [(n, tuple(t.shape), t.dtype) for n, t in named] != self.layout:
+            raise KeyError("push_weights: the policy's parameter names, shapes or dtypes changed since the first push")
+        self._sent += 1
+        self._store.set(f"dspo/push/{self._sent}", f"{completed},{version},{int(bool(named))}")
         for _, tensor in named:
-            self._broadcast(self._on_wire(tensor.detach().contiguous()))
+            self._broadcast(self._on_wire(tensor.detach().to(self._wire(tensor.dtype)).contiguous()))
 
     def _on_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         """gloo moves host tensors; NCCL device tensors (the trainer's own GPU)."""
@@ -168,35 +185,47 @@ class CollectiveTransfer:
         """Start the receiver thread: it joins the group, then takes every push into the staging buffers."""
         self._ready = threading.Condition()
         self._received, self._newest, self._failure = 0, (0, -1), None
-        device = "cpu" if self.backend == "gloo" else self.device
-        self._staging = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in self.layout}
+        self._staging: dict[str, torch.Tensor] | None = None  # allocated at the first weights: after the engine
+        self._parent = os.getppid()
         self._thread = threading.Thread(target=self._receive_forever, name="dspo-weights", daemon=True)
         self._thread.start()
 
     def _receive_forever(self) -> None:
         try:
             self._group = self._make_group(1, is_master=False)
-            header = torch.zeros(3, dtype=torch.int64, device="cpu" if self.backend == "gloo" else self.device)
+            sequence = 0
             while True:
-                self._broadcast(header)  # waits for the trainer's next push
-                completed, version, changed = (int(v) for v in header.tolist())
+                sequence += 1
+                key = f"dspo/push/{sequence}"
+                completed, version, changed = (int(v) for v in self._store.get(key).decode().split(","))
+                self._store.delete_key(key)
                 with self._ready:  # the engine loads from the staging buffers under the same condition
                     if changed:
-                        for tensor in self._staging.values():
-                            self._broadcast(tensor)
-                        if self.backend == "nccl":  # NCCL's wait() orders streams only: the host waits here
-                            torch.cuda.synchronize()
+                        self._receive_tensors()
                     self._newest = (completed, version)
-                    self._received += 1
+                    self._received = sequence
                     self._ready.notify_all()
         except BaseException as error:  # noqa: BLE001 - the engine's loop raises it at its next receive
             with self._ready:
                 self._failure = error
                 self._ready.notify_all()
 
+    def _receive_tensors(self) -> None:
+        device = "cpu" if self.backend == "gloo" else self.device
+        if self._staging is None:
+            self._staging = {
+                name: torch.empty(shape, dtype=self._wire(dtype), device=device) for name, shape, dtype in self.layout
+            }
+        for tensor in self._staging.values():
+            self._broadcast(tensor)
+        if self.backend == "nccl":  # NCCL's wait() orders streams only: the host waits here
+            torch.cuda.current_stream().synchronize()
+
     def receive(self, sequence: int, load: Loader, loaded_version: int | None) -> tuple[int, int]:
         with self._ready:
-            self._ready.wait_for(lambda: self._received >= sequence or self._failure is not None)
+            while not self._ready.wait_for(lambda: self._received >= sequence or self._failure is not None, _POLL_S):
+                if os.getppid() != self._parent:
+                    raise RuntimeError("the trainer is gone while the engine process waited for its weights")
             if self._failure is not None:
                 raise RuntimeError(f"rollout.weight_transfer={self.backend}: receiving weights failed") from (
                     self._failure
@@ -204,23 +233,34 @@ class CollectiveTransfer:
             completed, version = self._newest
             if version != loaded_version:
                 load(list(self._staging.items()), version)
+                if self.backend == "nccl":  # the engine's copies out of staging finish before the next push lands
+                    torch.cuda.current_stream().synchronize()
         return completed, version
 
     def close(self) -> None:
-        """Trainer side, after the engine process stopped: drop the group and the store (the engine process's
-        receiver thread, blocked in a collective, ends with its process)."""
+        """Trainer side, after the engine process stopped: end the group and drop the store."""
+        if self.backend == "nccl" and self._group is not None and hasattr(self._group, "abort"):
+            try:
+                self._group.abort()
+            except Exception:  # noqa: BLE001 - the peer is gone; nothing is waiting on the group
+                log.debug("aborting the NCCL weight-transfer group failed", exc_info=True)
         self._group = self._store = None
 
     def __getstate__(self) -> dict:
         """What the engine process gets at spawn: the layout and where to connect (not the store or the group)."""
-        return {"backend": self.backend, "device": self.device, "layout": self.layout, "port": self.port}
+        keep = ("backend", "device", "wire_dtype", "layout", "port")
+        return {key: getattr(self, key) for key in keep}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._store = self._group = None
+        self._sent = 0
 
 
-def make_transfer(kind: str, ctx, engine_device: str = "cpu") -> SharedMemoryTransfer | CollectiveTransfer:
+def make_transfer(
+    kind: str, ctx, engine_device: str = "cpu", wire_dtype: torch.dtype | None = None
+) -> SharedMemoryTransfer | CollectiveTransfer:
+    """The trainer's end of `rollout.weight_transfer` (`wire_dtype`: the engine's dtype, for the collective ones)."""
     if kind == "shared_memory":
         return SharedMemoryTransfer(ctx)
-    return CollectiveTransfer(kind, engine_device)
+    return CollectiveTransfer(kind, engine_device, wire_dtype)

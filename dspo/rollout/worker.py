@@ -94,6 +94,12 @@ def round_seed(seed: int, round_index: int) -> int:
     return seed * 1_000_003 + round_index * 1_009
 
 
+def _engine_dtype(engine: Any) -> torch.dtype | None:
+    """The engine's `dtype` keyword (`rollout.engine.dtype`) as a torch dtype; None when it has none."""
+    name = (getattr(engine, "keywords", None) or {}).get("dtype")
+    return getattr(torch, str(name), None) if name else None
+
+
 def _search_agent(engine, spec: WorkerSpec):
     from dspo.models import load_tokenizer
     from dspo.rollout.agent import SearchAgent
@@ -252,7 +258,9 @@ class EngineProcess:
         from dspo.rollout.transfer import make_transfer
 
         named = [(name, tensor.detach()) for name, tensor in weights]
-        self.transfer = make_transfer(self.spec.weight_transfer, self._ctx, engine_device="cuda:0")
+        self.transfer = make_transfer(
+            self.spec.weight_transfer, self._ctx, engine_device="cuda:0", wire_dtype=_engine_dtype(self.spec.engine)
+        )
         self.transfer.allocate(named)
         self.commands, self.results = self._ctx.Queue(), self._ctx.Queue()
         channels = (self.commands, self.results, self.transfer)
@@ -278,6 +286,7 @@ class EngineProcess:
         try:
             self.transfer.send(weights, completed_rounds, version)
         except Exception as error:  # a collective transfer fails when its peer is gone: say which and why
+            self.process.join(1.0)  # a peer whose sockets closed may not be reaped yet
             if not self.process.is_alive():
                 raise EngineProcessDied(
                     f"the engine process (pid {self.pid}) exited with code {self.process.exitcode} while the trainer "

@@ -178,9 +178,18 @@ def test_weight_transfer_settings_are_checked():
         check_transfer("nccl", colocated=True, cuda=True)
     with pytest.raises(ValueError, match="rollout.weight_transfer='ipc'"):
         EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig("m"), weight_transfer="ipc")
-    if not torch.cuda.is_available():  # a CPU build of torch has no NCCL: the group says so, naming the way out
-        from dspo.rollout.transfer import CollectiveTransfer
+    from functools import partial
 
+    from dspo.rollout.engine import VLLMEngine
+    from dspo.rollout.transfer import CollectiveTransfer
+    from dspo.rollout.worker import _engine_dtype
+
+    # floating tensors travel in the engine's dtype (rollout.engine.dtype), integers as they are
+    assert _engine_dtype(partial(VLLMEngine, dtype="bfloat16")) == torch.bfloat16
+    assert _engine_dtype(recording_engine) is None
+    wire = CollectiveTransfer("gloo", wire_dtype=torch.bfloat16)
+    assert (wire._wire(torch.float32), wire._wire(torch.int64)) == (torch.bfloat16, torch.int64)
+    if not torch.cuda.is_available():  # a CPU build of torch has no NCCL: the group says so, naming the way out
         with pytest.raises(RuntimeError, match="this torch build has no NCCL .*use gloo"):
             CollectiveTransfer("nccl").group_type()
 
