@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent(
             self.layer = torch.nn.Linear(4, 1)
         def training_step(self, batch, batch_idx):
             time.sleep(delay)
-            (out / "progress").write_text(str(self.global_step + 1))
+            (out / "progress.tmp").write_text(str(self.global_step + 1))
+            (out / "progress.tmp").replace(out / "progress")  # atomic: a reader never sees a truncated file
             return self.layer(batch).pow(2).mean()
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -67,7 +68,7 @@ def _wait_for_step(tmp_path: Path, process: subprocess.Popen, step: int, timeout
     deadline = time.time() + timeout
     progress = tmp_path / "progress"
     while time.time() < deadline:
-        if progress.is_file() and progress.read_text() and int(progress.read_text()) >= step:
+        if progress.is_file() and int(progress.read_text()) >= step:
             return
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.05)
