@@ -28,6 +28,7 @@ from dspo.models import ModelConfig
 from dspo.models.weights import policy_weights
 from dspo.record import write_record
 from dspo.rollout.producer import RoundProducer
+from dspo.rollout.sides import module_root
 from dspo.rollout.transfer import check_transfer
 from dspo.rollout.worker import WorkerSpec, check_staleness
 
@@ -165,8 +166,7 @@ class EnvironmentCallback(pl.Callback):
             log.info("preempted: the policy is not exported (resume with ckpt_path=last)")
             return
         target = Path(self.export_dir or Path(trainer.default_root_dir) / "model")
-        root = trainer.strategy.model if trainer.strategy.model is not None else pl_module
-        state = dict(policy_weights(root))
+        state = dict(policy_weights(module_root(trainer, pl_module)))
         if trainer.is_global_zero:
             pl_module.policy.save_pretrained(str(target), state_dict=state)
             self.producer.tokenizer.save_pretrained(str(target))

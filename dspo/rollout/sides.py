@@ -25,7 +25,7 @@ from dspo.rollout.worker import EngineProcess, WorkerSpec, round_seed
 log = logging.getLogger(__name__)
 
 
-def _root(trainer, pl_module):
+def module_root(trainer, pl_module):
     """The module whose parameters the strategy holds (FSDP's wrapped root gathers full parameters)."""
     return trainer.strategy.model if trainer.strategy.model is not None else pl_module
 
@@ -69,7 +69,7 @@ class LocalEngine:
         version = pl_module.weights_version
         if state.engine_version == version:
             return
-        self.engine.push_weights(policy_weights(_root(trainer, pl_module)), version=version)
+        self.engine.push_weights(policy_weights(module_root(trainer, pl_module)), version=version)
         state.engine_version = version
 
     def generate(self, trainer, pl_module, state, sampler, seed: int):
@@ -132,7 +132,7 @@ class EngineProcessSide:
         count, which moves the staleness bound, always)."""
         version = pl_module.weights_version
         changed = state.engine_version != version
-        weights = list(policy_weights(_root(trainer, pl_module))) if changed or self.worker is None else None
+        weights = list(policy_weights(module_root(trainer, pl_module))) if changed or self.worker is None else None
         if self.worker is None:
             self.worker = EngineProcess(self._spec(trainer))
             fitting = trainer.training or getattr(trainer.state, "fn", None) == "fit"

@@ -1,8 +1,8 @@
 """How the policy's weights reach the engine process (`rollout.weight_transfer`; issue 28, point 3).
 
-Two transports, one protocol. The trainer calls `send(weights or None, completed_rounds, version)` after every round
-(None: unchanged weights, a skipped step; the round count, which moves the staleness bound, still travels) and then
-puts a ("weights", sequence number, progress) command on the engine process's queue; between two rounds the engine
+Two transports, one protocol. After every round the trainer calls `send(weights or None, completed_rounds, version, n)`
+for its n-th push (None: unchanged weights, a skipped step; the round count, which moves the staleness bound, still
+travels) and then puts a ("weights", n, progress) command on the engine process's queue; between two rounds the engine
 process calls `receive(sequence number, load, loaded_version)`, which loads the newest weights into its engine if their
 version differs from what it holds, and returns their completed-round count. Neither side waits for the other's round:
 
@@ -82,7 +82,10 @@ class SharedMemoryTransfer:
     def connect_trainer(self) -> None:
         """Nothing to connect: the buffers were shared at spawn."""
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int) -> None:
+    def send(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int, sequence: int
+    ) -> None:
+        """Push number `sequence` (1, 2, ...; the engine process's `receive` waits for it by that number)."""
         with self.lock:
             for name, tensor in weights or ():
                 if name not in self.shared:
@@ -120,7 +123,6 @@ class CollectiveTransfer:
         self.layout: list[tuple[str, tuple, torch.dtype]] = []
         self.port = 0
         self._store = self._group = None
-        self._sent = 0
 
     def _make_group(self, rank: int, is_master: bool):
         import torch.distributed as dist
@@ -165,12 +167,13 @@ class CollectiveTransfer:
         """Join the group (the engine process's receiver thread is waiting for it)."""
         self._group = self._make_group(0, is_master=True)
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int) -> None:
+    def send(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int, sequence: int
+    ) -> None:
         named = list(weights or ())
         if named and [(n, tuple(t.shape), t.dtype) for n, t in named] != self.layout:
             raise KeyError("push_weights: the policy's parameter names, shapes or dtypes changed since the first push")
-        self._sent += 1
-        self._store.set(f"dspo/push/{self._sent}", f"{completed},{version},{int(bool(named))}")
+        self._store.set(f"dspo/push/{sequence}", f"{completed},{version},{int(bool(named))}")
         for _, tensor in named:
             self._broadcast(self._on_wire(tensor.detach().to(self._wire(tensor.dtype)).contiguous()))
 
@@ -254,7 +257,6 @@ class CollectiveTransfer:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._store = self._group = None
-        self._sent = 0
 
 
 def make_transfer(

@@ -284,7 +284,7 @@ class EngineProcess:
         """Send the policy (None: unchanged weights, a skipped step: the round count only) and tell the engine
         process; it loads them before its next round."""
         try:
-            self.transfer.send(weights, completed_rounds, version)
+            self.transfer.send(weights, completed_rounds, version, self._pushes + 1)
         except Exception as error:  # a collective transfer fails when its peer is gone: say which and why
             self.process.join(1.0)  # a peer whose sockets closed may not be reaped yet
             if not self.process.is_alive():
