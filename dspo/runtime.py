@@ -32,7 +32,8 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -167,3 +168,42 @@ def process_settings(accelerator: str | None = None) -> Iterator[None]:
         if accelerator == "cpu":  # the page faults it removes were measured on CPU; GPU runs keep glibc's defaults
             configure_allocator()
         yield
+
+
+def run_command(main: Callable[[], object]) -> NoReturn:
+    """Run a console command's `main`, then end the process without the interpreter's teardown.
+
+    Why: after a command's work is done, tearing the interpreter down (collecting every object, unloading torch and
+    vLLM's extension modules) took 2.3 s after a `dspo-train` run with vLLM and 1.1 s after merely importing torch,
+    transformers and lightning (measured on the 2-core CPU): time a user waits at every `dspo-train`, `dspo-eval`
+    and `dspo-rollout`, and that the test suite paid ~40 times. Nothing the command wrote is skipped: non-daemon
+    threads are joined and every `atexit` handler runs (logging's flush and close, vLLM's engine shutdown,
+    multiprocessing's joins, logger plugins' finish hooks) before the buffered output is flushed and the process ends
+    with the command's exit status. What is skipped is the finalization of objects still alive at exit: a plugin
+    that writes a file must close it (a `with` block), as Python does not promise finalizers at exit either.
+    An exception other than SystemExit propagates as usual (traceback, normal teardown)."""
+    try:
+        main()
+        status: object = 0
+    except SystemExit as stop:
+        status = stop.code
+    if status is not None and not isinstance(status, int):
+        print(status, file=sys.stderr)  # what `sys.exit("message")` prints
+        status = 1
+    _end_process(status or 0)
+
+
+def _end_process(status: int) -> NoReturn:
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():  # what the interpreter joins before its atexit handlers
+        if thread is not threading.main_thread() and not thread.daemon and thread.is_alive():
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)  # C-level buffers (extension modules' printf)
+    os._exit(status)

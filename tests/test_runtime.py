@@ -1,4 +1,5 @@
-"""dspo.runtime: process-level thread and allocator settings, and their scope (`process_settings`)."""
+"""dspo.runtime: process-level thread and allocator settings, their scope (`process_settings`), and how a command
+ends (`run_command`)."""
 
 from __future__ import annotations
 
@@ -168,3 +169,50 @@ def test_process_settings_give_the_session_its_environment_and_warning_filters_b
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"):
         assert name not in os.environ, name
     assert scoped == ["mallopt"]
+
+
+COMMAND = """
+import atexit, sys, threading, time
+from pathlib import Path
+from dspo.runtime import run_command
+
+out = Path(sys.argv[1])
+
+def main():
+    def late():
+        time.sleep(0.3)
+        (out / "thread.txt").write_text("joined")
+    threading.Thread(target=late).start()  # non-daemon: the interpreter would wait for it
+    atexit.register(lambda: (out / "atexit.txt").write_text("ran"))
+    with open(out / "data.txt", "w") as handle:
+        handle.write("kept")
+    print("buffered line")  # stdout is a pipe: block-buffered, flushed only at exit
+    how = sys.argv[2]
+    if how == "exit2":
+        raise SystemExit(2)
+    if how == "message":
+        sys.exit("a message")
+    if how == "crash":
+        raise RuntimeError("boom")
+    return 3.5  # a return value (dspo-train's sweep metric) is not an exit status
+
+run_command(main)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "stderr"),
+    [("ok", 0, ""), ("exit2", 2, ""), ("message", 1, "a message"), ("crash", 1, "RuntimeError: boom")],
+)
+def test_a_command_ends_with_its_status_after_threads_atexit_and_buffered_output(tmp_path, how, status, stderr):
+    import subprocess
+
+    script = tmp_path / "command.py"
+    script.write_text(COMMAND)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path), how], capture_output=True, text=True)
+    assert result.returncode == status, result.stderr
+    assert result.stdout == "buffered line\n"
+    assert stderr in result.stderr
+    assert (tmp_path / "data.txt").read_text() == "kept"
+    assert (tmp_path / "thread.txt").read_text() == "joined"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"

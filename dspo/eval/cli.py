@@ -329,5 +329,13 @@ def main() -> None:
     _main()
 
 
+def cli() -> None:
+    """The `dspo-eval` command: `main`, then the process ends without the interpreter's teardown
+    (`dspo.runtime.run_command`). Call `main` to stay in the process."""
+    from dspo.runtime import run_command
+
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -129,5 +129,13 @@ def main(cfg: DictConfig) -> None:
         run_rollout(cfg, list(HydraConfig.get().overrides.task))
 
 
+def cli() -> None:
+    """The `dspo-rollout` command: `main`, then the process ends without the interpreter's teardown
+    (`dspo.runtime.run_command`). Call `main` to stay in the process."""
+    from dspo.runtime import run_command
+
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -245,20 +245,22 @@ def test_dspo_eval_scripted_end_to_end(
 
 
 @pytest.mark.slow
-def test_dspo_eval_cli_vllm_from_checkpoint(tiny_model: str, index_dir: Path, tmp_path: Path) -> None:
-    """`dspo-eval ckpt_path=...` as a user runs it: checkpoint export, vLLM engine (tiny random model), BM25 index."""
+def test_dspo_eval_cli_from_checkpoint(tiny_model: str, index_dir: Path, tmp_path: Path) -> None:
+    """`dspo-eval ckpt_path=...` as a user runs it: checkpoint export, engine, BM25 index, tables. The transformers
+    engine (`rollout=hf`): dspo-eval on vLLM runs end to end in tests/test_train.py (`dspo-eval model.path=RUN/model`
+    after a run) and vLLM with this 151k vocabulary in tests/rollout/test_vllm.py."""
     ckpt = tmp_path / "last.ckpt"
     lightning_like_checkpoint(tiny_model, ckpt)
     out = tmp_path / "out"
     overrides = [o for o in eval_overrides(tiny_model, index_dir, out, limit=3) if "model.path" not in o]
     overrides += [
         f"ckpt_path={ckpt}",
+        "rollout=hf",
         "eval.batch_size=3",
         "rollout.agent.max_turns=2",
         "rollout.agent.max_new_tokens_per_turn=12",
         "rollout.agent.max_obs_tokens=64",
         "rollout.agent.max_total_tokens=1024",
-        "rollout.engine.max_model_len=1024",
         f"hydra.run.dir={tmp_path / 'hydra'}",
     ]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
