@@ -20,8 +20,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # The epoch-level metrics dspo logs itself (DSPOModule._log_eval): `val|test/<benchmark>/subem|em|f1` (torchmetrics,
-# dspo.metrics.answer_metrics) and `val|test/subem_mean`. Everything else dspo logs is per step, which Lightning never
-# advises about.
+# dspo.metric_collections.answer_metrics) and `val|test/subem_mean`. Everything else dspo logs is per step, which
+# Lightning never advises about.
 _DSPO_EPOCH_METRIC = r"(val|test)/([^']+/(subem|em|f1)|subem_mean)"
 
 # (category, regex of the message start, why it is harmless here); most are one exact message

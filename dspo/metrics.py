@@ -1,7 +1,9 @@
-"""Answer metrics: FlashRAG / Search-R1 normalization, and torchmetrics SubEM, ExactMatch, TokenF1.
+"""Answer metrics: FlashRAG / Search-R1 normalization and the per-answer scores (subEM, EM, token F1).
 
-Each metric keeps (sum, count) states reduced by summation, so values are exact across processes (DDP/FSDP) and
-across `update` calls. `benchmark_metrics` builds one collection per benchmark, logged as `<stage>/<benchmark>/<name>`.
+Plain Python, no torch: the reward, the toy world and the retrieval commands import this module, and `dspo-serve` /
+`dspo-index` start seconds sooner without torch and torchmetrics (measured: importing torchmetrics took 2.7 s, as its
+text metrics import transformers). The torchmetrics classes over these scores (`SubEM`, `ExactMatch`, `TokenF1`,
+`answer_metrics`, `benchmark_metrics`) live in `dspo.metric_collections` and are still importable from here.
 
 One rule for blank answers, shared by the reward (`dspo.rewards`), evaluation (`dspo.eval.pipeline`) and these
 metrics: a missing answer (None) is wrong, and a gold answer that normalizes to the empty string (NQ has `*`, `---`,
@@ -15,10 +17,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from collections.abc import Iterable, Sequence
-
-import torch
-from torchmetrics import Metric, MetricCollection
+from collections.abc import Sequence
 
 _PUNCTUATION = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -76,57 +75,13 @@ def token_f1(prediction: str | None, golds: str | Sequence[str]) -> float:
     return best
 
 
-class _MeanScore(Metric):
-    """Mean of a per-example score over (prediction, gold list) pairs; states sum/count reduce by summation."""
-
-    full_state_update = False
-    higher_is_better = True
-    is_differentiable = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-
-    @staticmethod
-    def score(prediction: str | None, golds: Sequence[str]) -> float:
-        raise NotImplementedError
-
-    def update(self, preds: Sequence[str | None], golds: Sequence[Sequence[str]]) -> None:
-        if len(preds) != len(golds):
-            raise ValueError(f"{type(self).__name__}.update: {len(preds)} predictions but {len(golds)} gold lists")
-        scores = [self.score(p, g) for p, g in zip(preds, golds)]  # None (no answer) scores 0
-        self.total += torch.tensor(sum(scores), dtype=torch.float64, device=self.total.device)
-        self.count += len(scores)
-
-    def compute(self) -> torch.Tensor:
-        return (self.total / self.count.clamp(min=1)).float()
+_COLLECTIONS = ("SubEM", "ExactMatch", "TokenF1", "answer_metrics", "benchmark_metrics")
 
 
-class SubEM(_MeanScore):
-    """Substring exact match (the paper's metric and reward, Eq. 4)."""
+def __getattr__(name: str):
+    """`from dspo.metrics import SubEM` (and the rest of `_COLLECTIONS`) imports torchmetrics only then."""
+    if name in _COLLECTIONS:
+        from dspo import metric_collections
 
-    score = staticmethod(sub_exact_match)
-
-
-class ExactMatch(_MeanScore):
-    score = staticmethod(exact_match)
-
-
-class TokenF1(_MeanScore):
-    score = staticmethod(token_f1)
-
-
-def answer_metrics() -> MetricCollection:
-    """SubEM, EM and F1 in one collection.
-
-    compute_groups=False on purpose: the three metrics have identically named states (total, count), and torchmetrics'
-    default compute groups merge metrics whose states are equal after the first update (e.g. a first batch where every
-    prediction is an exact match), after which only one of them is updated and EM/F1 silently report SubEM's value.
-    """
-    return MetricCollection({"subem": SubEM(), "em": ExactMatch(), "f1": TokenF1()}, compute_groups=False)
-
-
-def benchmark_metrics(benchmarks: Iterable[str], stage: str = "val") -> dict[str, MetricCollection]:
-    """One collection per benchmark, keys prefixed so `collection.compute()` yields `val/<benchmark>/subem` etc."""
-    return {name: answer_metrics().clone(prefix=f"{stage}/{name}/") for name in benchmarks}
+        return getattr(metric_collections, name)
+    raise AttributeError(f"module 'dspo.metrics' has no attribute {name!r}")

@@ -32,7 +32,7 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.algorithms.losses import kl_penalty
 from dspo.algorithms.rollout_correction import correction_weights
 from dspo.data.datamodule import EvalSlot, RoundSlot
-from dspo.metrics import answer_metrics
+from dspo.metric_collections import answer_metrics
 from dspo.models import ModelConfig, load_causal_lm
 from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs

@@ -9,8 +9,10 @@ Token-level lists are plain Python lists (variable length, produced one turn at 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # tensors only in PolicyBatch and two RolloutGroup properties: the retrieval side runs without torch
+    import torch
 
 
 @dataclass
@@ -104,11 +106,15 @@ class RolloutGroup:
     @property
     def rewards(self) -> torch.Tensor:
         """What the advantages use (outcome + shaping + step rewards). [G]"""
+        import torch
+
         return torch.tensor([t.reward for t in self.trajectories], dtype=torch.float32)
 
     @property
     def outcomes(self) -> torch.Tensor:
         """The 0/1 outcomes the dynamic filter tests. [G]"""
+        import torch
+
         return torch.tensor([t.outcome for t in self.trajectories], dtype=torch.float32)
 
     @property
@@ -139,6 +145,8 @@ class PolicyBatch:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> PolicyBatch:
+        import torch
+
         moved = {
             name: (value.to(device) if isinstance(value, torch.Tensor) else value)
             for name, value in self.__dict__.items()

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 from torchmetrics import MetricCollection
 
-from dspo.metrics import benchmark_metrics, exact_match, sub_exact_match, token_f1
+from dspo.metric_collections import benchmark_metrics
+from dspo.metrics import exact_match, sub_exact_match, token_f1
 from dspo.types import QAItem, RolloutGroup
 
 RESULT_KEYS = ("subem", "em", "f1", "n", "mean_search_calls", "mean_turns")
