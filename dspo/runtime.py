@@ -190,10 +190,12 @@ def run_command(main: Callable[[], object]) -> NoReturn:
     if status is not None and not isinstance(status, int):
         print(status, file=sys.stderr)  # what `sys.exit("message")` prints
         status = 1
-    _end_process(status or 0)
+    end_process(status or 0)
 
 
-def _end_process(status: int) -> NoReturn:
+def end_process(status: int) -> NoReturn:
+    """End this process as `run_command` does once its work is done: non-daemon threads joined, `atexit` handlers
+    run (multiprocessing's among them, which flush queues), output flushed, then `os._exit(status)`."""
     import atexit
     import threading
 

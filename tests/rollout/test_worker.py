@@ -296,7 +296,9 @@ def test_the_engine_process_runs_on_its_devices_and_a_failed_start_brings_its_tr
             worker.start(None, None, 0, [("w", torch.zeros(1))])
         assert "Traceback" in str(error.value) and "engine process sees CUDA_VISIBLE_DEVICES=7" in str(error.value)
     finally:
+        process = worker.process
         worker.close()
+    assert process.exitcode == 0  # it ended by itself once its error was sent (dspo.runtime.end_process), not killed
 
 
 class Preempt(pl.Callback):
