@@ -176,7 +176,7 @@ def run_command(main: Callable[[], object]) -> NoReturn:
     Why: after a command's work is done, tearing the interpreter down (collecting every object, unloading torch and
     vLLM's extension modules) took 2.3 s after a `dspo-train` run with vLLM and 1.1 s after merely importing torch,
     transformers and lightning (measured on the 2-core CPU): time a user waits at every `dspo-train`, `dspo-eval`
-    and `dspo-rollout`, and that the test suite paid ~40 times. Nothing the command wrote is skipped: non-daemon
+    and `dspo-rollout`, and that the test suite paid ~30 times. Nothing the command wrote is skipped: non-daemon
     threads are joined and every `atexit` handler runs (logging's flush and close, vLLM's engine shutdown,
     multiprocessing's joins, logger plugins' finish hooks) before the buffered output is flushed and the process ends
     with the command's exit status. What is skipped is the finalization of objects still alive at exit: a plugin
