@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dspo.resume import discard, move_into_run, resolve_ckpt_path
+from dspo.runtime import run_command
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("dspo.train")
@@ -197,12 +199,8 @@ def main(cfg: DictConfig) -> float | None:
         return train(cfg)
 
 
-def cli() -> None:
-    """The `dspo-train` command: `main`, then the process ends without the interpreter's teardown
-    (`dspo.runtime.run_command`). Call `main` to stay in the process."""
-    from dspo.runtime import run_command
-
-    run_command(main)
+# the `dspo-train` command: `main`, then the process ends without the interpreter's teardown (call `main` to stay)
+cli = partial(run_command, main)
 
 
 if __name__ == "__main__":

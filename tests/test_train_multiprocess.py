@@ -23,6 +23,11 @@ def _step(path: Path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
 
 
+def _start_train(args: list[str], env: dict[str, str], **io) -> subprocess.Popen:
+    """`python -m dspo.train ARGS` in the background, as a scheduler starts it (`io`: Popen's output settings)."""
+    return subprocess.Popen([sys.executable, "-m", "dspo.train", *args], env=env, cwd=REPO, **io)
+
+
 def _run_dir(outputs: Path, name: str) -> Path:
     (run,) = list((outputs / "train").glob(f"{name}_*"))
     return run
@@ -62,14 +67,8 @@ def test_sigterm_stops_at_the_round_end_then_kill_9_loses_no_step_past_the_last_
     outputs = tmp_path / "outputs"
     args = [*short_default_hf, "trainer.val_check_interval=100", "run_name=preempted", "run_test=false"]
     env = {**os.environ, "DSPO_CACHE": str(toy_cache), "DSPO_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dspo.train", *args, "trainer.max_steps=40"],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    piped = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    process = _start_train([*args, "trainer.max_steps=40"], env, **piped)
     try:
         deadline = time.time() + 600
         while time.time() < deadline and not list((outputs / "train").glob("preempted_*/checkpoints/step00002.ckpt")):
@@ -90,14 +89,7 @@ def test_sigterm_stops_at_the_round_end_then_kill_9_loses_no_step_past_the_last_
 
     final = saved + 8  # 4 rounds: the kill comes rounds before the end even on a fast machine
     resumed = [*args, f"trainer.max_steps={final}", "ckpt_path=last"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dspo.train", *resumed],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = _start_train(resumed, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         # the resumed run's first checkpoint, then last.ckpt rewritten after it (atomically): a kill between the two
         # files is tests/test_checkpointing.py's case

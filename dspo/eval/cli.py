@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from dspo.eval.pipeline import AVERAGE, macro_average, markdown_table, predict, score, write_results
+from dspo.runtime import run_command
 from dspo.types import QAItem
 
 log = logging.getLogger(__name__)
@@ -329,12 +330,8 @@ def main() -> None:
     _main()
 
 
-def cli() -> None:
-    """The `dspo-eval` command: `main`, then the process ends without the interpreter's teardown
-    (`dspo.runtime.run_command`). Call `main` to stay in the process."""
-    from dspo.runtime import run_command
-
-    run_command(main)
+# the `dspo-eval` command: `main`, then the process ends without the interpreter's teardown (call `main` to stay)
+cli = functools.partial(run_command, main)
 
 
 if __name__ == "__main__":

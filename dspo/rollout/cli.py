@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from dspo.runtime import run_command
 from dspo.types import RolloutGroup
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -129,12 +131,8 @@ def main(cfg: DictConfig) -> None:
         run_rollout(cfg, list(HydraConfig.get().overrides.task))
 
 
-def cli() -> None:
-    """The `dspo-rollout` command: `main`, then the process ends without the interpreter's teardown
-    (`dspo.runtime.run_command`). Call `main` to stay in the process."""
-    from dspo.runtime import run_command
-
-    run_command(main)
+# the `dspo-rollout` command: `main`, then the process ends without the interpreter's teardown (call `main` to stay)
+cli = partial(run_command, main)
 
 
 if __name__ == "__main__":
