@@ -197,11 +197,8 @@ def end_process(status: int) -> NoReturn:
     """End this process as `run_command` does once its work is done: non-daemon threads joined, `atexit` handlers
     run (multiprocessing's among them, which flush queues), output flushed, then `os._exit(status)`."""
     import atexit
-    import threading
 
-    for thread in threading.enumerate():  # what the interpreter joins before its atexit handlers
-        if thread is not threading.main_thread() and not thread.daemon and thread.is_alive():
-            thread.join()
+    _join_threads_as_the_interpreter_does()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -209,3 +206,22 @@ def end_process(status: int) -> NoReturn:
     with contextlib.suppress(Exception):
         ctypes.CDLL(None).fflush(None)  # C-level buffers (extension modules' printf)
     os._exit(status)
+
+
+def _join_threads_as_the_interpreter_does() -> None:
+    """What CPython does first at exit (`threading._shutdown`): run the hooks registered with
+    `threading._register_atexit` (concurrent.futures shuts its executors down there, ending their idle workers), then
+    join the non-daemon threads. Joining first, as dspo did until issue 38 (point 10), waits forever on any executor
+    left open: a finished DDP run printed its summary and never exited."""
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
+    hooks = getattr(threading, "_threading_atexits", [])  # another thread, or an interpreter without _shutdown
+    for hook in reversed(list(hooks)):
+        hook()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon and thread.is_alive():
+            thread.join()

@@ -172,7 +172,7 @@ def test_process_settings_give_the_session_its_environment_and_warning_filters_b
 
 
 COMMAND = """
-import atexit, sys, threading, time
+import atexit, concurrent.futures, sys, threading, time
 from pathlib import Path
 from dspo.runtime import run_command
 
@@ -183,6 +183,11 @@ def main():
         time.sleep(0.3)
         (out / "thread.txt").write_text("joined")
     threading.Thread(target=late).start()  # non-daemon: the interpreter would wait for it
+    # an executor left open (its idle worker is a non-daemon thread): shut down before threads are joined, as the
+    # interpreter does; joined first, the process never ended (issue 38, point 10: a finished DDP run hung)
+    global pool  # still referenced (an unreferenced executor's worker ends by itself)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pool.submit(time.sleep, 0.01).result()
     atexit.register(lambda: (out / "atexit.txt").write_text("ran"))
     with open(out / "data.txt", "w") as handle:
         handle.write("kept")
@@ -209,7 +214,8 @@ def test_a_command_ends_with_its_status_after_threads_atexit_and_buffered_output
 
     script = tmp_path / "command.py"
     script.write_text(COMMAND)
-    result = subprocess.run([sys.executable, str(script), str(tmp_path), how], capture_output=True, text=True)
+    command = [sys.executable, str(script), str(tmp_path), how]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)  # a hang fails, not stalls
     assert result.returncode == status, result.stderr
     assert result.stdout == "buffered line\n"
     assert stderr in result.stderr
