@@ -39,7 +39,8 @@ class EnvironmentCallback(pl.Callback):
     """Args:
     engine: partial constructor of a RolloutEngine taking `model_path` (conf/rollout/*.yaml `engine`).
     agent: `dspo.rollout.agent.AgentConfig` (conf/rollout/*.yaml `agent`).
-    env: the `dspo.env.Environment` (conf/env/: tools + reward); a bare `Retriever` stands for the default one.
+    env: the `dspo.env.Environment` (conf/env/: tools + reward), or its `dspo.env.spec.EnvironmentSpec` (built here at
+        max_staleness 0, in the engine process at k >= 1); a bare `Retriever` stands for the default one.
     algorithm, model: the same objects the module gets.
     eval_batch_size: questions per engine call in validation/test.
     sample_every_n_rounds: write one kept group's trajectories as TensorBoard text every N rounds (0 = never).
@@ -53,6 +54,7 @@ class EnvironmentCallback(pl.Callback):
         rank's own (`rollout.engine_devices`; docs/scaling.md).
     weight_transfer: with k >= 1, how the weights reach the engine process: `shared_memory`, `gloo` or `nccl`
         (`rollout.weight_transfer`; `dspo.rollout.transfer`).
+    imports: the run's `imports=` (user plug-in modules), imported in the engine process as well (k >= 1).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class EnvironmentCallback(pl.Callback):
         engine_cores: str = "split",
         engine_devices: list | None = None,
         weight_transfer: str = "shared_memory",
+        imports: list | tuple | None = None,
     ) -> None:
         sampling = agent.get("temperature") if isinstance(agent, dict) else getattr(agent, "temperature", None)
         if sampling is not None and float(sampling) != float(algorithm.temperature):
@@ -80,10 +83,13 @@ class EnvironmentCallback(pl.Callback):
                 "(conf/rollout/*.yaml interpolate it)"
             )
         from dspo.env import Environment, check_credit_fits
+        from dspo.env.spec import built
 
+        max_staleness = check_staleness(max_staleness, engine_threads, engine)
+        if not max_staleness:  # the agent runs here: built now, as Hydra did before (k >= 1: in the engine process)
+            env = built(env)
         if isinstance(env, Environment):
             check_credit_fits(env, algorithm.objective)  # at build time, before any model is loaded
-        max_staleness = check_staleness(max_staleness, engine_threads, engine)
         if engine_cores not in ("split", "shared"):
             raise ValueError(f"rollout.engine_cores={engine_cores!r}: use split (own cores each) or shared")
         spec = WorkerSpec(
@@ -96,6 +102,7 @@ class EnvironmentCallback(pl.Callback):
             max_staleness=max_staleness,
             eval_batch_size=eval_batch_size,
             weight_transfer=check_transfer(weight_transfer),
+            imports=tuple(imports or ()),
         )
         if not max_staleness and weight_transfer != "shared_memory":
             log.warning("rollout.weight_transfer=%s does nothing at rollout.max_staleness=0", weight_transfer)
@@ -134,6 +141,7 @@ class EnvironmentCallback(pl.Callback):
         self.producer.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.producer.rewind()  # before dspo-train writes failure.ckpt: the prompts of an untrained round are kept
         self.producer.close()
 
     def _write_timeline(self, trainer: pl.Trainer, entry: dict) -> None:

@@ -44,13 +44,19 @@ def engine_devices_for(devices: list | None, local_rank: int, local_processes: i
     return entry
 
 
-def share_the_cpu(mode: str, engine_threads: int | None, local_processes: int) -> tuple[int, list | None, tuple]:
+def share_the_cpu(
+    mode: str, engine_threads: int | None, local_processes: int, engine_on_cpu: bool = True
+) -> tuple[int, list | None, tuple]:
     """Split this process's cores (`split`) or threads (`shared`, or when a split is impossible) between it and its
     engine process. Applies the trainer's side (affinity, torch threads) and returns (engine threads, engine cores or
-    None, what to restore afterwards: (affinity or None, torch threads))."""
+    None, what to restore afterwards: (affinity or None, torch threads)). An engine on a GPU (`engine_on_cpu` False)
+    takes nothing from the trainer: its CPU work is scheduling and tokenizing, and pinning the trainer to half its
+    cores would only slow the trainer's data work (issue 38, point 8)."""
+    threads = torch.get_num_threads()
+    if not engine_on_cpu:
+        return engine_threads or 1, None, (None, threads)
     available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     trainer_cores, engine_cores = split_cores(engine_threads, available, local_processes)
-    threads = torch.get_num_threads()
     if mode == "shared":  # both sides on every core: the trainer keeps its threads
         return engine_threads or max(1, threads // 2), None, (None, threads)
     if trainer_cores != engine_cores:  # each side on its own cores

@@ -70,6 +70,7 @@ class RoundProducer:
         self.tokenizer = None
         self.sampler = None  # the DataModule's PromptSampler (None when only evaluating)
         self.timeline: dict | None = None  # the round in progress: when it was waited for, generated, taken
+        self._round_start: tuple | None = None  # (sampler, its state, keep-rate prior) before the round in progress
 
     @property
     def max_staleness(self) -> int:
@@ -114,7 +115,12 @@ class RoundProducer:
     def _start_round(self, trainer, pl_module) -> dict[str, float]:
         state, round_index, waiting = self.state, self.state.completed, time.time()
         sampler = self.sampler if self.sampler is not None else getattr(trainer.datamodule, "sampler", None)
-        groups, stats, generation = self.side.generate(trainer, pl_module, state, sampler, self.spec.seed)
+        self._round_start = (sampler, sampler.state_dict() if sampler is not None else None, self.keep_rate_estimate)
+        try:
+            groups, stats, generation = self.side.generate(trainer, pl_module, state, sampler, self.spec.seed)
+        except BaseException:
+            self.rewind()  # the failure checkpoint must say where round r's prompts start
+            raise
         self.timeline = {"round": round_index, "waiting": waiting, "generation": generation, "taken": time.time()}
         state.current = build_round(
             groups,
@@ -148,10 +154,28 @@ class RoundProducer:
 
         return agree
 
+    def rewind(self) -> None:
+        """A run failing before the round in progress trained a step (generation failed, the retriever went down, the
+        first mini-batch ran out of memory): put the prompt sampler and the filter's prior back where the round
+        started, so that the failure checkpoint written next makes a resume train the same prompts (issue 38, point
+        6). Once a step of the round is trained the round counts as consumed, as for any mid-round checkpoint."""
+        start, self._round_start = self._round_start, None
+        if start is None or self.state.cursor > 0:
+            return
+        sampler, sampler_state, keep_rate = start
+        if sampler is not None and sampler_state is not None:
+            sampler.load_state_dict(sampler_state)
+        self.state.keep_rate_estimate = keep_rate
+        if self.side is not None:
+            self.side.keep_rate_estimate = keep_rate
+        self.state.current = None
+
     def step_done(self) -> dict | None:
         """One optimizer step's batch is trained. Returns the finished round's timeline entry when that was its last
         mini-batch (None otherwise)."""
         state = self.state
+        if state.cursor == 0:
+            self._round_start = None  # a step of this round is trained: it is consumed, whatever happens next
         state.cursor += 1
         if state.current is None or state.cursor < len(state.current.minibatches):
             return None

