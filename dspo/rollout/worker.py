@@ -153,11 +153,13 @@ class _EngineSide:
         return getattr(self.spec.env, "credit", "trajectory")
 
     def run(self) -> None:
-        trainer_alive = parent_alive()
+        trainer_alive, was_waiting = parent_alive(), False
         while True:
-            if not self.allowed():
+            waiting = not self.allowed()
+            if waiting and not was_waiting:  # each time it starts waiting for weights (not each poll)
                 fault_point("engine.waiting")
-            command = self._next_command(block=not self.allowed())
+            was_waiting = waiting
+            command = self._next_command(block=waiting)
             if command is None:
                 if not self.allowed():
                     if not trainer_alive():  # the trainer is gone: nothing will consume or push again

@@ -130,6 +130,13 @@ def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
     assert worker.process is None
 
 
+def _listening(pid: int) -> list[str]:
+    """The addresses `pid`'s listening TCP sockets are bound to."""
+    import psutil
+
+    return [c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+
+
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
 def test_weights_reach_the_engine_process_exactly_over_a_gloo_group():
     """`rollout.weight_transfer=gloo`: a two-member group between the trainer and its engine process (the code path
@@ -156,6 +163,9 @@ def test_weights_reach_the_engine_process_exactly_over_a_gloo_group():
         sums = {"a": 3.75, "b": float(torch.full((2, 2), 0.1, dtype=torch.float64).sum())}
         assert echo(2)["sums"] == sums
         assert echo(3) == {"version": 1, "loads": 2, "sums": sums, "round": 2}
+        # issue 39 (2): no socket of the transfer (its store, the gloo pairs) listens beyond this host
+        assert _listening(os.getpid()) and _listening(worker.pid)
+        assert all(ip in ("127.0.0.1", "::1") for ip in _listening(os.getpid()) + _listening(worker.pid))
         os.kill(worker.pid, signal.SIGKILL)  # the peer of the group is gone: the push or the next wait says so
         with pytest.raises(EngineProcessDied, match="exited with code -9 while the trainer"):
             worker.push_weights(trained, 3, 2, (3, 10))
