@@ -12,7 +12,8 @@ truncated sequence importance weight), none}. Each run is one `dspo-train` subpr
 finished and reused, delete it to train it again). The table, per (mode, k): the final validation `val/subem_mean`
 (the last one after step 0, as `dspo.ablation`), mean ± 95 % half-width over seeds (Student t, `dspo.ablation.ci95`),
 and the per-run means over training steps of `mismatch/weight_mean`, `mismatch/weight_min`, `mismatch/ess` and
-`rollout/staleness_mean`, averaged over seeds. Exit status 1 when a run failed or a figure is NaN or missing.
+`rollout/staleness_mean`, averaged over seeds. Exit status 1 when a run failed (or ran past `--timeout`) or a figure is
+NaN or missing.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def run_figures(run_dir: Path) -> dict[str, float]:
     return figures
 
 
-def train(mode: str, k: int, seed: int, steps: int, root: Path, extra: list[str]) -> dict:
-    """One `dspo-train` run (reused when already finished); its record: mode, k, seed, exit status, seconds, figures."""
+def train(mode: str, k: int, seed: int, steps: int, root: Path, extra: list[str], timeout: float | None = None) -> dict:
+    """One `dspo-train` run (reused when already finished); its record: mode, k, seed, exit status, seconds, figures.
+    A run past `timeout` seconds is killed and counts as failed (exit status "timeout")."""
     run_dir = root / f"{mode}_k{k}_seed{seed}"
     record: dict = {"mode": mode, "k": k, "seed": seed, "dir": str(run_dir)}
     if not (run_dir / "metrics.yaml").is_file():
@@ -85,7 +87,10 @@ def train(mode: str, k: int, seed: int, steps: int, root: Path, extra: list[str]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         print(f"[{mode} k={k} seed={seed}] {' '.join(cmd)}", flush=True)
         start = time.monotonic()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as late:
+            done = subprocess.CompletedProcess(cmd, "timeout", _text(late.stdout), _text(late.stderr))
         record.update(returncode=done.returncode, seconds=round(time.monotonic() - start, 1))
         if done.returncode:
             record["error"] = (done.stderr or done.stdout)[-2000:]
@@ -95,6 +100,10 @@ def train(mode: str, k: int, seed: int, steps: int, root: Path, extra: list[str]
         record["returncode"] = 0
     record.update(run_figures(run_dir))
     return record
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -157,12 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path("outputs") / "correction", help="where the runs go")
     parser.add_argument("--smoke", action="store_true", help="1 seed, k in {0, 1}, 2 steps, shortened batches")
     parser.add_argument("--report", type=Path, metavar="FILE", help="only print the table of an existing JSON")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a run is killed (failed)")
     args = parser.parse_args(argv)
     if args.report:
         return report(json.loads(args.report.read_text()))
     extra: list[str] = []
     if args.smoke:
         args.seeds, args.steps, args.staleness, extra = [0], 2, [0, 1], SMOKE_OVERRIDES
+        args.timeout = min(args.timeout, 300.0)
         args.root = args.root.with_name(f"{args.root.name}_smoke") / time.strftime("%Y%m%d-%H%M%S")
         args.out = args.out.with_name("correction_smoke.json")
     root = args.root.resolve()
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for mode, k in grid(args.staleness):
         for seed in args.seeds:
-            runs.append(train(mode, k, seed, args.steps, root, extra))
+            runs.append(train(mode, k, seed, args.steps, root, extra, args.timeout))
             payload.update(runs=runs, summary=summarize(runs))
             args.out.write_text(json.dumps(payload, indent=1) + "\n")  # after every run: a long sweep keeps its part
     print(f"JSON: {args.out}")
