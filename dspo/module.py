@@ -228,7 +228,8 @@ class DSPOModule(pl.LightningModule):
 
     def micro_batch_loss(self, batch: PolicyBatch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of one micro-batch (the objective, + β·KL), normalized by the whole mini-batch, and its parts:
-        `kl`, `entropy` [N, L], the objective's statistics and the engine/trainer mismatch statistics."""
+        `kl`, `entropy` [N, L], the objective's statistics, the engine/trainer mismatch statistics and the correction
+        weights [N, L]."""
         logprobs, entropy = self._logprobs(self.policy, batch, with_entropy=True)
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         correction, mismatch = self._rollout_correction(old, batch)
@@ -249,7 +250,8 @@ class DSPOModule(pl.LightningModule):
                     ref = self._logprobs(self.reference, batch)[0]
             kl = kl_penalty(logprobs, ref, batch.loss_mask, self.algo.kl_estimator, counts.kl)
             loss = loss + self.algo.kl_coef * kl
-        return loss, {"kl": kl, "entropy": entropy, "objective": objective, "mismatch": mismatch}
+        parts = {"kl": kl, "entropy": entropy, "objective": objective, "mismatch": mismatch, "correction": correction}
+        return loss, parts
 
     def _optimizer_step(self) -> float:
         """AdamW step, then the scheduler's; returns the learning rate the step applied."""

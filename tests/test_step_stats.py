@@ -64,3 +64,24 @@ def test_a_mini_batch_without_trained_tokens_weighs_micro_batches_equally():
         )
     assert stats.totals["train/entropy"] == 0.0 and not math.isnan(stats.totals["train/entropy"])
     assert stats.totals["mismatch/weight_mean"] == 1.0  # each micro-batch half
+
+
+def test_weight_min_is_over_trained_micro_batches_and_ess_pools_the_mini_batch():
+    """Micro-batch 1 has no trained token (its stats say weight_min 1, ess 1); micro-batch 2: sequences weighing 2 and
+    1.5; micro-batch 3: one sequence of mean weight (0.5 + 1.5) / 2 = 1. weight_min: 1.5 then 0.5 (not the empty one's
+    1). Pooled ESS over the sequences 2, 1.5, 1: 4.5² / (3 · 7.25) = 0.9310345 (the micro-batches' own: 1 and 1)."""
+    stats = MiniBatchStats(num_sequences=4, num_tokens=5.0, num_micro_batches=3)
+    parts = {"loss": torch.tensor(0.0), "kl": torch.tensor(0.0), "objective": {}}
+    empty = _batch([[0, 0]])
+    stats.add(empty, **parts, entropy=torch.zeros(1, 2), mismatch={"weight_min": torch.tensor(1.0),
+              "ess": torch.tensor(1.0)}, correction=torch.zeros(1, 2))  # fmt: skip
+    assert stats.totals["mismatch/weight_min"] == 1.0
+    second = _batch([[1, 1], [0, 1]])
+    stats.add(second, **parts, entropy=torch.zeros(2, 2), mismatch={"weight_min": torch.tensor(1.5),
+              "ess": torch.tensor(0.98)}, correction=torch.tensor([[2.0, 2.0], [0.0, 1.5]]))  # fmt: skip
+    assert stats.totals["mismatch/weight_min"] == 1.5
+    third = _batch([[1, 1]])
+    stats.add(third, **parts, entropy=torch.zeros(1, 2), mismatch={"weight_min": torch.tensor(0.5),
+              "ess": torch.tensor(1.0)}, correction=torch.tensor([[0.5, 1.5]]))  # fmt: skip
+    assert stats.totals["mismatch/weight_min"] == 0.5
+    assert stats.totals["mismatch/ess"] == pytest.approx(4.5**2 / (3 * 7.25), rel=1e-6)

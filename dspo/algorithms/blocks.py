@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from dspo.algorithms.rollout_correction import sequence_modes
+
 Stats = dict[str, torch.Tensor]
 LEVELS = ("sequence", "token")
 
@@ -107,7 +109,7 @@ def sequence_weights(weights: torch.Tensor | None, mask: torch.Tensor, where: st
     if bool(((high != low) & keep.any(dim=1)).any()):
         raise ValueError(
             f"{where} is sequence-level: its weights must be constant over each sequence's trained tokens "
-            "(use a sequence-level algorithm.rollout_correction.mode: none, seq_tis, seq_mis or seq_rs)"
+            f"(use a sequence-level algorithm.rollout_correction.mode: {sequence_modes()})"
         )
     return torch.where(keep.any(dim=1), high, 0.0)
 

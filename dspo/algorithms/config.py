@@ -17,7 +17,7 @@ import torch
 from dspo.algorithms.advantages import ADVANTAGES, AdvantageEstimator
 from dspo.algorithms.filters import FILTERS, GroupFilter
 from dspo.algorithms.losses import KL_ESTIMATORS, OBJECTIVES, Objective
-from dspo.algorithms.rollout_correction import RolloutCorrectionConfig, correction_level
+from dspo.algorithms.rollout_correction import RolloutCorrectionConfig, correction_level, sequence_modes
 
 
 @dataclass
@@ -121,7 +121,7 @@ class AlgorithmConfig:
         if self.objective.ratio_level == "sequence" and level != "sequence":
             raise ValueError(
                 f"algorithm.rollout_correction.mode: '{correction.mode}' weighs single tokens, but objective "
-                f"'{self.loss}' has one ratio per sequence; use none, seq_tis, seq_mis or seq_rs"
+                f"'{self.loss}' has one ratio per sequence; use {sequence_modes()}"
             )
 
     def check_world_size(self, world_size: int) -> None:

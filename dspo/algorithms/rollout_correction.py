@@ -1,31 +1,47 @@
-"""Rollout-training mismatch correction: importance weights π_old / π_engine, truncated (TIS) or masked (MIS), and
-rejection of outliers (RS).
+"""Rollout-training mismatch correction: importance weights π_old / μ, truncated (TIS) or masked (MIS), and rejection
+of outliers (RS). μ is the policy that sampled: the engine's (its own kernels: vLLM, bf16, batch-dependent reductions)
+and, at `rollout.max_staleness` = k >= 1, the weights of up to k rounds earlier. The trainer recomputes logπ_old with
+its own kernels: the data is never exactly on-policy. With r_it = π_old(y_it) / μ(y_it) on mask-1 tokens, the
+weights below multiply each objective's surrogate term (detached, normalizers unchanged).
 
-The rollout engine samples with its own kernels (vLLM, bf16, batch-dependent reductions), the trainer recomputes
-logprobs with another (FSDP, HF): the data is never exactly on-policy. With r_it = π_old(y_it) / π_engine(y_it) on
-mask-1 tokens, the weights below multiply each objective's surrogate term (detached, normalizers unchanged).
+    token_tis      w_it = min(r_it, high)                          (truncated IS, per token)
+    token_mis      w_it = r_it · 1[low <= r_it <= high]             (masked IS, per token)
+    token_rs       w_it = 1[low <= r_it <= high]                    (rejection of outlier tokens, no reweighting)
+    seq_tis        w_it = min(ρ_i, high)  on every mask-1 token of sequence i
+    seq_mis        w_it = ρ_i · 1[low <= ρ_i <= high]
+    seq_rs         w_it = 1[low <= ρ_i <= high]
+    seq_prod_tis   w_it = exp(min(S_i, log high)) = min(P_i, high)
+    seq_prod_mis   w_it = P_i · 1[log low <= S_i <= log high]
+    seq_prod_rs    w_it = 1[log low <= S_i <= log high]
+    none           w_it = 1
 
-    token_tis  w_it = min(r_it, high)                          (truncated IS, per token)
-    token_mis  w_it = r_it · 1[low <= r_it <= high]             (masked IS, per token)
-    token_rs   w_it = 1[low <= r_it <= high]                    (rejection of outlier tokens, no reweighting)
-    seq_tis    w_it = min(ρ_i, high)  on every mask-1 token of sequence i
-    seq_mis    w_it = ρ_i · 1[low <= ρ_i <= high]
-    seq_rs     w_it = 1[low <= ρ_i <= high]
-    none       w_it = 1
+with, over the mask-1 tokens of sequence i (|y_i| of them),
+    S_i = Σ_t m_it (logπ_old − logμ)     P_i = exp(S_i) = Π_t r_it          (the sequence's importance weight)
+    ρ_i = exp(S_i / |y_i|) = P_i^(1/|y_i|)                                  (its geometric mean)
+The product is computed in log space and clamped before the exp (exp(min(S_i, log high))), so it cannot overflow.
 
-What each estimates. The IS modes (tis, mis) reweight samples drawn from π_engine by π_old/π_engine, so the gradient
-estimates the gradient under π_old, with the bias of the truncation (tis: ratios above `high` count as `high`) or of
-the mask (mis: samples outside [low, high] are dropped, the others keep their ratio, as verl's masked IS). The RS modes
-only drop the samples whose ratio is out of bounds and weigh the rest 1: the gradient is the uncorrected one over the
-samples the two policies roughly agree on, not an estimate under π_old. (Before issue 29 the `*_mis` names meant RS.)
-
-ρ_i = exp( Σ_t m_it (logπ_old − logπ_engine) / Σ_t m_it ) is the length-normalized (geometric-mean) ratio, the same
-normalization as s_i in DSPO Eq. 6, so a sequence-level correction weighs exactly the unit that Eq. 11 clips.
+What each estimates.
+- Product modes (`seq_prod_*`): P_i = π_old(y_i)/μ(y_i) is the importance weight of the whole sequence, so E_μ[P_i f]
+  = E_π_old[f]: unbiased before truncation. Truncation (tis) biases it down where P_i > high; the mask (mis) drops the
+  samples outside [low, high]. Their price is variance: log P_i is a sum of |y_i| log-ratios, so for roughly
+  independent tokens Var(P_i)/E[P_i]² ≈ exp(|y_i|·Var(log r)) − 1, growing like exp(L·Var(log r)) with the length L;
+  the truncation bounds it by high², and `mismatch/ess` measures what is left.
+- Geometric-mean modes (`seq_tis`, `seq_mis`): ρ_i is not an importance weight: it is the length-normalized ratio
+  (DSPO's s_i in Eq. 6, the unit Eq. 11 clips). It stays near 1 as sequences grow, so it under-corrects long sequences
+  systematically: 300 trained tokens with mean log(π_old/μ) = −0.01 have importance weight e^−3 ≈ 0.050 and
+  ρ_i = e^−0.01 ≈ 0.990. It corrects small, per-token-like numeric differences between engine and trainer, barely
+  the policy gap of stale rounds (k >= 1).
+- Token modes: r_it corrects each token's term, what a token-level objective's ratio needs (PPO/DAPO-style truncated
+  IS); not an estimate under π_old of a sequence-level objective, which refuses them.
+- Rejection modes (`*_rs`) and `none` do not reweight: the gradient is the uncorrected one over the samples the two
+  policies roughly agree on (all of them for `none`), not an estimate under π_old. (Before issue 29 the `*_mis` names
+  meant RS.)
 Shapes as in `dspo.algorithms.losses`: [N, L] inputs, weights [N, L], 0 off the mask and on empty sequences.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +57,9 @@ WeightFn = Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]
 class CorrectionMode:
     level: str  # "token" | "sequence": sequence modes give one weight per sequence (all its mask-1 tokens)
     weigh: WeightFn
+    # what it does for rounds sampled by older weights (rollout.max_staleness >= 1): "corrects" (an importance weight),
+    # "numerics" (the geometric mean: engine/trainer numerics, barely the staleness), "ignores" (no reweighting)
+    staleness: str = "corrects"
 
 
 def _sequence_ratio(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -83,15 +102,49 @@ def _seq_rs(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) ->
     return _inside(_sequence_ratio(delta, mask), low, high)
 
 
+def _log_product(delta: torch.Tensor) -> torch.Tensor:
+    """S_i = Σ_t m_it (logπ_old − logμ) broadcast to [N, L] (delta is 0 off the mask): log of the product of ratios."""
+    return delta.sum(dim=1, keepdim=True).expand_as(delta)
+
+
+def _log_inside(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """1[low <= e^log_ratio <= high], compared in log space (the ratio itself may overflow)."""
+    log_low = math.log(low) if low > 0 else -math.inf
+    return ((log_ratio >= log_low) & (log_ratio <= math.log(high))).to(log_ratio.dtype)
+
+
+def _seq_prod_tis(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return torch.exp(_log_product(delta).clamp(max=math.log(high)))
+
+
+def _seq_prod_mis(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    log_p = _log_product(delta)
+    inside = _log_inside(log_p, low, high)
+    return torch.exp(log_p.clamp(max=math.log(high))) * inside  # clamped: no inf · 0 outside
+
+
+def _seq_prod_rs(delta: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return _log_inside(_log_product(delta), low, high)
+
+
 CORRECTION_MODES: dict[str, CorrectionMode] = {
-    "none": CorrectionMode("sequence", _none),  # constant within a sequence, so valid for every objective
+    "none": CorrectionMode("sequence", _none, "ignores"),  # constant within a sequence, so valid for every objective
     "token_tis": CorrectionMode("token", _token_tis),
     "token_mis": CorrectionMode("token", _token_mis),
-    "token_rs": CorrectionMode("token", _token_rs),
-    "seq_tis": CorrectionMode("sequence", _seq_tis),
-    "seq_mis": CorrectionMode("sequence", _seq_mis),
-    "seq_rs": CorrectionMode("sequence", _seq_rs),
+    "token_rs": CorrectionMode("token", _token_rs, "ignores"),
+    "seq_tis": CorrectionMode("sequence", _seq_tis, "numerics"),
+    "seq_mis": CorrectionMode("sequence", _seq_mis, "numerics"),
+    "seq_rs": CorrectionMode("sequence", _seq_rs, "ignores"),
+    "seq_prod_tis": CorrectionMode("sequence", _seq_prod_tis),
+    "seq_prod_mis": CorrectionMode("sequence", _seq_prod_mis),
+    "seq_prod_rs": CorrectionMode("sequence", _seq_prod_rs, "ignores"),
 }
+
+
+def sequence_modes() -> str:
+    """The modes a sequence-level objective takes, for error messages: "none, seq_mis, ... or seq_tis"."""
+    names = sorted(m for m, c in CORRECTION_MODES.items() if c.level == "sequence")
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def correction_level(mode: str) -> str:
@@ -145,8 +198,10 @@ def correction_weights(
     Returns:
         weights [N, L] (no gradient, 0 off the mask and on sequences without a mask-1 token) and detached scalars
         over mask-1 tokens: logprob_diff_abs_mean (mean |old − engine|), kl_k3 (mean k3 estimate of
-        KL(π_engine‖π_old): r − log r − 1 with r = π_old/π_engine, the samples being the engine's), weight_mean, and
-        masked_share (share of mask-1 tokens whose weight is 0). With no mask-1 token: 0, 0, 1, 0.
+        KL(π_engine‖π_old): r − log r − 1 with r = π_old/π_engine, the samples being the engine's), weight_mean,
+        masked_share (share of mask-1 tokens whose weight is 0), weight_min (the smallest weight on a mask-1 token:
+        over sequences for sequence modes) and ess (`effective_sample_size` of the per-sequence weights). With no
+        mask-1 token: 0, 0, 1, 0, 1, 1.
     """
     if old_logprobs.shape != engine_logprobs.shape or old_logprobs.shape != mask.shape or mask.dim() != 2:
         raise ValueError(
@@ -168,6 +223,8 @@ def correction_weights(
             "kl_k3": zero.clone(),
             "weight_mean": torch.ones_like(zero),
             "masked_share": zero.clone(),
+            "weight_min": torch.ones_like(zero),
+            "ess": torch.ones_like(zero),
         }
     # k3 ≈ d²/2 cancels in float32 when |d| ~ 1e-7 (fp32 runs on CPU): measured negative there, so float64 + expm1
     wide = delta.double()
@@ -177,4 +234,49 @@ def correction_weights(
         "kl_k3": (k3.sum() / count).to(dtype),
         "weight_mean": weights.sum() / count,
         "masked_share": ((weights == 0) & keep).to(dtype).sum() / count,
+        "weight_min": torch.where(keep, weights, math.inf).min(),
+        "ess": effective_sample_size(sequence_mean_weights(weights, mask_f)),
     }
+
+
+def sequence_mean_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """w_i = Σ_t m_it w_it / Σ_t m_it for the sequences with at least one mask-1 token [N'] (a sequence mode's own
+    weight; a token mode's mean weight over the sequence)."""
+    mask = mask.to(weights.dtype)
+    count = mask.sum(dim=1)
+    return ((weights * mask).sum(dim=1) / count.clamp(min=1.0))[count > 0]
+
+
+def effective_sample_size(seq_weights: torch.Tensor) -> torch.Tensor:
+    """Normalized effective sample size ESS = (Σ_i w_i)² / (N · Σ_i w_i²) of N sequence weights, in [0, 1]: 1 when all
+    weights are equal (or N = 0), 1/N when one sequence holds all the weight, 0 when every weight is 0."""
+    if seq_weights.numel() == 0:
+        return torch.ones((), dtype=seq_weights.dtype, device=seq_weights.device)
+    total, squares = seq_weights.sum(), seq_weights.square().sum()
+    if squares == 0:
+        return torch.zeros((), dtype=seq_weights.dtype, device=seq_weights.device)
+    return total.square() / (seq_weights.numel() * squares)
+
+
+def staleness_notice(mode: str, max_staleness: int) -> tuple[int, str] | None:
+    """What to tell a user whose correction `mode` does not (fully) correct rounds sampled by weights up to
+    `max_staleness` rounds old: (logging level, message), or None (k = 0, or a mode that corrects). Checked when the
+    run is built (`EnvironmentCallback`), where both keys are known."""
+    if max_staleness < 1:
+        return None
+    staleness = CORRECTION_MODES[mode].staleness if mode in CORRECTION_MODES else "corrects"
+    keys = f"algorithm.rollout_correction.mode={mode} with rollout.max_staleness={max_staleness}"
+    if staleness == "ignores":
+        return logging.WARNING, (
+            f"{keys}: the mode does not reweight, so rounds sampled by weights up to {max_staleness} round(s) old "
+            "train uncorrected (the gradient is not an estimate under the round-start policy π_old). Use "
+            "algorithm.rollout_correction.mode=seq_prod_tis (the truncated sequence importance weight; token_tis "
+            "for a token-level objective), or rollout.max_staleness=0 (docs/training.md)"
+        )
+    if staleness == "numerics":
+        return logging.INFO, (
+            f"note: {keys}: the mode weighs a sequence by the geometric mean of its token ratios π_old/μ, which "
+            "corrects the engine/trainer numerics but barely the staleness (the importance weight is their product: "
+            "algorithm.rollout_correction.mode=seq_prod_tis; bench/correction.py compares them, docs/training.md)"
+        )
+    return None

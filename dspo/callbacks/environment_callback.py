@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from dspo.algorithms.config import AlgorithmConfig
+from dspo.algorithms.rollout_correction import staleness_notice
 from dspo.data.datamodule import EvalSlot, RoundSlot
 from dspo.models import ModelConfig
 from dspo.models.weights import policy_weights
@@ -90,6 +91,8 @@ class EnvironmentCallback(pl.Callback):
             env = built(env)
         if isinstance(env, Environment):
             check_credit_fits(env, algorithm.objective)  # at build time, before any model is loaded
+        if notice := staleness_notice(algorithm.rollout_correction.mode, max_staleness):
+            log.log(*notice)
         if engine_cores not in ("split", "shared"):
             raise ValueError(f"rollout.engine_cores={engine_cores!r}: use split (own cores each) or shared")
         spec = WorkerSpec(

@@ -120,7 +120,8 @@ def test_sequence_weights_ignore_empty_sequences_and_name_the_objective():
         )
     assert str(err.value) == (
         "sequence_clip_loss is sequence-level: its weights must be constant over each sequence's trained tokens "
-        "(use a sequence-level algorithm.rollout_correction.mode: none, seq_tis, seq_mis or seq_rs)"
+        "(use a sequence-level algorithm.rollout_correction.mode: none, seq_mis, seq_prod_mis, seq_prod_rs, "
+        "seq_prod_tis, seq_rs or seq_tis)"
     )
 
 

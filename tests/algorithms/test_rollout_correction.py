@@ -47,6 +47,8 @@ ENGINE = torch.where(MASK.bool(), torch.tensor(-2.0, dtype=torch.float64), 0.0) 
 OLD = ENGINE + DIFF
 
 R0, R1, R2, R4 = 1.1051709181, 2.2255409285, 0.5488116361, 0.4493289641  # ρ_i
+# products P_i = e^(Σ d): e^0.3 = 1.3498588076, e^2.4 = 11.0231763806 (> 2), e^−1.2 = 0.3011942119, e^−0.8 = R4
+P0, P2 = 1.3498588076, 0.3011942119
 EXPECTED = {
     "none": [[1, 1, 0, 1], [1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]],
     "token_tis": [
@@ -67,6 +69,9 @@ EXPECTED = {
     "seq_tis": [[R0, R0, 0, R0], [2.0, 2.0, 2.0, 0], [R2, R2, 0, 0], [0, 0, 0, 0], [R4, 0, 0, 0]],
     "seq_mis": [[R0, R0, 0, R0], [0, 0, 0, 0], [R2, R2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
     "seq_rs": [[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+    "seq_prod_tis": [[P0, P0, 0, P0], [2.0, 2.0, 2.0, 0], [P2, P2, 0, 0], [0, 0, 0, 0], [R4, 0, 0, 0]],
+    "seq_prod_mis": [[P0, P0, 0, P0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],  # P2, R4 < 0.5
+    "seq_prod_rs": [[1, 1, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
 }
 # weight_mean = Σ weights / 9; masked_share = mask-1 tokens with weight 0 / 9
 # token_tis: 3.4947104 + 5.8221188 + 1.1866102 + 0.4493290 = 10.9527684;  seq_tis: 3·R0 + 6 + 2·R2 + R4 = 10.8624649
@@ -79,6 +84,9 @@ EXPECTED_WEIGHT_MEAN = {
     "seq_tis": 10.8624649 / 9,
     "seq_mis": 4.4131361 / 9,
     "seq_rs": 5 / 9,
+    "seq_prod_tis": (3 * P0 + 6 + 2 * P2 + R4) / 9,  # 11.1012938 / 9
+    "seq_prod_mis": 3 * P0 / 9,
+    "seq_prod_rs": 3 / 9,
 }
 EXPECTED_MASKED_SHARE = {
     "none": 0.0,
@@ -88,6 +96,9 @@ EXPECTED_MASKED_SHARE = {
     "seq_tis": 0.0,
     "seq_mis": 4 / 9,
     "seq_rs": 4 / 9,
+    "seq_prod_tis": 0.0,
+    "seq_prod_mis": 6 / 9,
+    "seq_prod_rs": 6 / 9,
 }
 # |d| summed: 0.9 + 2.4 + 1.2 + 0.8 = 5.3.  k3 = e^d − d − 1 summed over the nine tokens:
 # 0.0051709 + 0.0408182 + 0.1487213 + 2·0.5596031 + 0.2221188 + 0.3678794 + 0.0187308 + 0.2493290 = 2.1719746
@@ -132,6 +143,8 @@ def test_no_gradient_non_finite_off_mask_and_empty_batch() -> None:
         "kl_k3": 0.0,
         "weight_mean": 1.0,
         "masked_share": 0.0,
+        "weight_min": 1.0,
+        "ess": 1.0,
     }
 
 
