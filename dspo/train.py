@@ -48,7 +48,7 @@ def import_modules(names: Any) -> None:
     for name in names:
         try:
             importlib.import_module(name)
-        except Exception as error:  # ImportError, or whatever the module raises while it runs
+        except ImportError as error:  # a wrong name or path; a module that fails as it runs is a bug: its stack shows
             raise ImportError(
                 f"imports: module '{name}' failed to import ({type(error).__name__}: {error}); check its name and "
                 "that its folder is on PYTHONPATH (e.g. PYTHONPATH=docs/examples dspo-train imports=[...])"
