@@ -16,13 +16,17 @@ model folder (`dspo_run.json`), and `dspo-eval` / `dspo-rollout` adopt them when
 - the evaluation batch size, unless `eval.batch_size` is given (it only changes numerics, not which questions).
 
 A model folder without `dspo_run.json` (any Hugging Face model) keeps the command's own defaults.
+
+A record is data, never code (`dspo.trust`): it may name only the `_target_`s dspo ships (or those of the command
+line's `imports=`), anything else is refused before anything is built; its `trust_remote_code: true` is not adopted.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,13 +126,20 @@ def _touched(keys: list[str], prefix: str) -> list[str]:
 
 
 def adopt(
-    cfg: DictConfig, record: Mapping[str, Any], overrides: Iterable[str], source: str, sections: Iterable[str]
+    cfg: DictConfig,
+    record: Mapping[str, Any],
+    overrides: Iterable[str],
+    source: str,
+    sections: Iterable[str],
+    imports: Sequence[str] = (),
 ) -> list[str]:
     """Put the record's `sections` (of rollout.agent, rollout.engine, retriever, data, eval.batch_size) into `cfg`,
     following the rules of the module docstring; returns the lines to show the user (what came from where, and a
-    warning per agent setting that differs from the trained one)."""
-    keys, trained = override_keys(overrides), record["config"]
-    adopted, kept, warnings = [], [], []
+    warning per agent setting that differs from the trained one). A section naming a target that neither dspo nor the
+    modules `imports` ship is refused (`dspo.trust.UntrustedRecordError`) before `cfg` changes."""
+    keys, trained, sections = override_keys(overrides), copy.deepcopy(record["config"]), list(sections)
+    warnings = _guard(trained, sections, keys, source, imports)
+    adopted, kept = [], []
     with open_dict(cfg):
         for section in sections:
             if section == "rollout.agent":
@@ -149,6 +160,27 @@ def adopt(
     if kept:
         lines.append("kept from the command line: " + "; ".join(kept))
     return lines + warnings
+
+
+def _guard(trained: dict, sections: list[str], keys: list[str], source: str, imports: Sequence[str]) -> list[str]:
+    """Check every section `adopt` would take from the record (`dspo.trust`), and drop its `trust_remote_code`."""
+    from dspo.trust import check_targets, drop_remote_code
+
+    def overridden(key: str) -> bool:
+        return any(key == k or key.startswith(k + ".") for k in keys)
+
+    lines = []
+    for section in sections:
+        if section == "eval.batch_size" or (section == "rollout.engine" and "rollout" in keys):
+            continue
+        if section not in ("rollout.agent", "rollout.engine") and _touched(keys, section):
+            continue  # the command line's own section, not the record's
+        parent, _, name = section.rpartition(".")
+        holder = trained.get(parent) if parent else trained
+        if isinstance(holder, dict) and holder.get(name) is not None:
+            check_targets(holder[name], section, imports, overridden, source)
+            lines += drop_remote_code(holder[name], section, overridden, source)
+    return lines
 
 
 def _adopt_agent(cfg: DictConfig, agent: Mapping | None, keys: list[str], adopted: list[str]) -> list[str]:

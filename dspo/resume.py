@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 log = logging.getLogger("dspo.train")
 
 # Keys that only say how far or what else this command runs, not what is trained.
-RESUME_FREE_KEYS = ("trainer.max_steps", "ckpt_path", "run_test", "output_dir")
+RESUME_FREE_KEYS = ("trainer.max_steps", "ckpt_path", "allow_foreign_checkpoint", "run_test", "output_dir")
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:
@@ -100,6 +100,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """The checkpoint to resume (None: a fresh start); with `last`/`auto` the run then continues in its folder
     (`cfg.output_dir` is moved there). Refuses, before anything is written, what the module docstring lists."""
     from dspo.checkpointing import ERROR_CHECKPOINTS, newest_loadable
+    from dspo.trust import check_checkpoint_owner
 
     if cfg.ckpt_path in (None, ""):
         return None
@@ -107,6 +108,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         path = Path(cfg.ckpt_path).expanduser()
         if not path.exists():  # a file, or a folder (distributed checkpoint of trainer=fsdp)
             raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file or folder")
+        check_checkpoint_owner(path, "ckpt_path", bool(cfg.get("allow_foreign_checkpoint")))
         _refuse_nothing_to_train(cfg, str(path))
         return str(path)
     pattern = os.path.join(cfg.paths.outputs, "train", f"{cfg.run_name}_*", "checkpoints", "*.ckpt")
@@ -130,6 +132,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
             "warnings above say why); pass ckpt_path=/path/to/file.ckpt or start a new run_name"
         )
     run_dir = Path(ckpt).parents[1]
+    check_checkpoint_owner(ckpt, "ckpt_path", bool(cfg.get("allow_foreign_checkpoint")))
     step = _refuse_nothing_to_train(cfg, ckpt)
     log.info("ckpt_path=%s: resuming run %s from %s (step %d)", cfg.ckpt_path, run_dir, Path(ckpt).name, step)
     _warn_changed_settings(cfg, run_dir)

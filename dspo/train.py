@@ -8,7 +8,6 @@ dspo-train ckpt_path=last                           # resume the newest run of t
 
 from __future__ import annotations
 
-import importlib
 import logging
 from functools import partial
 from pathlib import Path
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspo.resume import discard, move_into_run, resolve_ckpt_path
 from dspo.runtime import run_command
+from dspo.trust import import_modules
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("dspo.train")
@@ -35,24 +35,6 @@ def check_round_alignment(cfg: DictConfig) -> None:
             f"trainer.val_check_interval={interval} is not a multiple of algorithm.num_minibatches={steps} (optimizer "
             f"steps per round): validation would fall mid-round. Use e.g. trainer.val_check_interval={fit}"
         )
-
-
-def import_modules(names: Any) -> None:
-    """`imports=[my_pkg.my_objective, ...]`: import user modules before anything is instantiated, so that what they
-    register (`@register_objective`, `@register_advantage`, ...) exists when the config is built and validated
-    (docs/extending.md)."""
-    if names is None:
-        return
-    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
-        raise TypeError(f"imports must be a list of module names, e.g. imports=[my_objective]; got {names!r}")
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as error:  # ImportError, or whatever the module raises while it runs
-            raise ImportError(
-                f"imports: module '{name}' failed to import ({type(error).__name__}: {error}); check its name and "
-                "that its folder is on PYTHONPATH (e.g. PYTHONPATH=docs/examples dspo-train imports=[...])"
-            ) from error
 
 
 def prepare(cfg: DictConfig) -> None:

@@ -112,3 +112,48 @@ def test_only_dspo_validation_errors_count_as_user_mistakes() -> None:
         assert user_message(error) is None
     with pytest.raises(RuntimeError), user_errors("dspo-x", "dspo-x a=1"):
         raise RuntimeError("an unexpected failure keeps its stack")
+
+
+BROKEN_PLUGIN = '''
+class BrokenData:
+    """A data module whose constructor has a bug: the user's to fix, at the line the stack names."""
+
+    def __init__(self, **settings):
+        self.settings = settings
+        self.size = settings.get("nothing").size  # the bug: None has no attribute `size`
+'''
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_bug_in_a_plugins_constructor_keeps_its_traceback(cli, tmp_path, monkeypatch, verbose) -> None:
+    """Issue 39 (5): an exception inside a target's constructor is a bug, not a configuration mistake: the stack is
+    shown and names the plug-in's line (it used to be one `error:` line with exit status 2, the line lost)."""
+    (tmp_path / "broken_plugin.py").write_text(BROKEN_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if verbose:
+        monkeypatch.setenv("DSPO_VERBOSE", "1")
+    overrides = ["prepare=none", "imports=[broken_plugin]", "data._target_=broken_plugin.BrokenData"]
+    code, err, _ = cli(_train_main, "dspo-train", *overrides)
+    assert code != 2 and "dspo-train: error:" not in err, err
+    assert "AttributeError" in err and "'NoneType' object has no attribute 'size'" in err, err
+    assert 'broken_plugin.py", line 7, in __init__' in err, err
+
+
+def test_configuration_mistakes_at_instantiation_stay_one_line(cli, tmp_path, monkeypatch) -> None:
+    """A target that does not exist and a key the target does not take are the config's: one line, exit status 2."""
+    (tmp_path / "broken_plugin.py").write_text(BROKEN_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, err, _ = cli(_train_main, "dspo-train", "prepare=none", "data._target_=broken_plugin.NoSuchData")
+    assert code == 2 and "Traceback" not in err and "NoSuchData" in err, err
+    code, err, _ = cli(_train_main, "dspo-train", "prepare=none", "+module.no_such_setting=1")
+    assert code == 2 and "Traceback" not in err and "no_such_setting" in err, err
+
+
+def test_an_error_dspo_did_not_raise_on_purpose_is_a_bug() -> None:
+    """Only a `raise` statement of dspo is its validation: a KeyError of a subscript in dspo's code is a bug."""
+    from dspo.toy.sources import chain_types
+
+    try:
+        chain_types({})  # metadata["entity_type"]: a lookup that fails, not a message written for the user
+    except KeyError as error:
+        assert user_message(error) is None

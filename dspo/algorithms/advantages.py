@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -82,11 +83,17 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
-def turn_advantages(step_rewards: list[list[float | None]], eps: float = 1e-6) -> list[list[float]]:
-    """Group-normalized advantages of the step rewards of one group's G trajectories (per-turn credit, as StepSearch's
-    token-level process supervision): each turn's (r − mean) / (std + eps), mean and unbiased std over every turn of
-    the group that has a step reward; a turn without one (None, e.g. the answer turn) gets 0, and so does every turn
-    when the group has fewer than two step rewards.
+def turn_advantages(
+    step_rewards: list[list[float | None]],
+    eps: float = 1e-6,
+    estimator: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[list[float]]:
+    """Advantages of the step rewards of one group's G trajectories (per-turn credit, as StepSearch's token-level
+    process supervision): every turn of the group that has a step reward is one sample of a single group, scored by
+    `estimator` (rewards [1, K] in float64 -> advantages [1, K]: the configured `algorithm.advantage`, so that the step
+    part and the trajectory part of a token's advantage are on one scale); None = `group_norm` with δ = `eps`, each
+    turn's (r − mean) / (std + eps). A turn without a step reward (None, e.g. the answer turn) gets 0, and so does every
+    turn when the group has fewer than two step rewards.
 
     Args:
         step_rewards: [G][turns of trajectory i] step rewards, None where a turn has none.
@@ -94,12 +101,16 @@ def turn_advantages(step_rewards: list[list[float | None]], eps: float = 1e-6) -
         [G][turns] advantages.
     """
     values = torch.tensor([r for rewards in step_rewards for r in rewards if r is not None], dtype=torch.float64)
-    if values.numel() < 2 or not torch.isfinite(values).all():
-        if values.numel() and not torch.isfinite(values).all():
-            raise ValueError(f"turn_advantages: step rewards contain NaN/inf: {step_rewards}; check the reward")
+    if values.numel() and not torch.isfinite(values).all():
+        raise ValueError(f"turn_advantages: step rewards contain NaN/inf: {step_rewards}; check the reward")
+    if values.numel() < 2:
         return [[0.0] * len(rewards) for rewards in step_rewards]
-    mean, std = float(values.mean()), float(values.std())
-    return [[0.0 if r is None else (r - mean) / (std + eps) for r in rewards] for rewards in step_rewards]
+    scored = (estimator or partial(group_advantages, eps=eps))(values[None, :])
+    if tuple(scored.shape) != (1, values.numel()):
+        shape = tuple(scored.shape)
+        raise ValueError(f"algorithm.advantage: the estimator returned shape {shape} for rewards [1, {values.numel()}]")
+    flat = iter(scored[0].tolist())
+    return [[0.0 if r is None else next(flat) for r in rewards] for rewards in step_rewards]
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Advantages: one per trajectory from the configured estimator on the groups' rewards (Eq. 10 by default), or, with
 per-turn credit (`env.reward.credit=turn`), one per token: each model turn's tokens get the trajectory-level
-advantage (the estimator on outcome + shaping) plus the group-normalized advantage of that turn's step reward
-(`turn_advantages`; StepSearch).
+advantage (the estimator on outcome + shaping) plus the same estimator's advantage of that turn's step reward among
+the group's step rewards (`turn_advantages`; StepSearch), so both parts are on the estimator's scale.
 
 One round holds B groups of G trajectories. They are shuffled (seeded) and cut into M mini-batches, one optimizer step
 each (M = 1 is fully on-policy). Inside a mini-batch, sequences are sorted by length before being cut into
@@ -77,13 +77,15 @@ def turn_credit(
     groups: list[RolloutGroup], advantages: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[list[list[float]]]:
     """Per-token advantages [B][G][response tokens]: a model turn's tokens get the trajectory-level advantage (the
-    estimator on outcome + shaping, i.e. the total without the step rewards) plus the group-normalized advantage of
-    that turn's step reward; tool tokens get 0 (they are never trained)."""
+    estimator on outcome + shaping, i.e. the total without the step rewards) plus the advantage `advantages` gives
+    that turn's step reward among the group's step rewards (the same estimator: `group_mean` or `rloo` would otherwise
+    add an unscaled trajectory part to a std-scaled step part); tool tokens get 0 (they are never trained)."""
     levels = [[t.reward - sum(s for s in t.step_rewards if s is not None) for t in g.trajectories] for g in groups]
     outcome_adv = advantages(torch.tensor(levels, dtype=torch.float32)).tolist()  # [B][G]
     out = []
     for group, outcome_row in zip(groups, outcome_adv):
-        steps = turn_advantages([list(t.step_rewards) or [None] * len(t.turn_spans) for t in group.trajectories])
+        step_rewards = [list(t.step_rewards) or [None] * len(t.turn_spans) for t in group.trajectories]
+        steps = turn_advantages(step_rewards, estimator=advantages)
         rows = []
         for trajectory, outcome, turn_steps in zip(group.trajectories, outcome_row, steps):
             per_token = [0.0] * len(trajectory.response_ids)

@@ -9,6 +9,7 @@ loop (`dspo.rollout.agent.SearchAgent`) is the framework; an environment is the 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from string import Formatter
 from typing import Any
 
 from dspo.env.rewards import Reward, SubEMReward
@@ -42,8 +43,8 @@ class Environment:
                 )
         if not 0 <= max_tool_error_share <= 1:
             raise ValueError(f"env.max_tool_error_share must be within [0, 1], got {max_tool_error_share}")
-        if instruction is not None and "{question}" not in instruction:
-            raise ValueError("env.instruction must contain {question}, where the question goes")
+        if instruction is not None:
+            check_instruction(instruction)
         self.reward, self.max_tool_error_share, self.instruction = reward, max_tool_error_share, instruction
 
     @property
@@ -61,6 +62,25 @@ class Environment:
         `max_query_chars`) and the subEM reward (`max_answer_words`)."""
         max_answer_words = search_limits.pop("max_answer_words", None)
         return cls({"search": SearchTool(retriever, **search_limits)}, SubEMReward(max_answer_words))
+
+
+_TRIAL_QUESTION = "\u2983question\u2984"
+
+
+def check_instruction(instruction: str) -> None:
+    """`env.instruction` formatted once with a trial question, so that a brace the template cannot take fails when the
+    environment is built, naming the key, not at the first rollout as `KeyError: '"name"'`."""
+    literal = 'write a literal brace as {{ and }}, e.g. {{"name": "search"}}'
+    try:
+        fields = [name for _, name, _, _ in Formatter().parse(instruction) if name is not None]
+        other = [name for name in fields if name != "question"]
+        if other:
+            raise ValueError(f"{{{other[0]}}} is not a placeholder (the only one is {{question}})")
+        text = instruction.format(question=_TRIAL_QUESTION)
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError) as error:
+        raise ValueError(f"env.instruction: {error}; {literal}") from None
+    if _TRIAL_QUESTION not in text:
+        raise ValueError("env.instruction must contain {question}, where the question goes")
 
 
 def check_credit_fits(env: Environment, objective: Any) -> None:

@@ -12,8 +12,8 @@ from the model's own text) and returns, per episode, a `RewardResult`:
 
 The scalar the group advantage uses is `total = outcome + shaping + Σ step_rewards`. With `credit: turn`, a
 token-level objective credits each turn's tokens with the trajectory-level advantage (the estimator on outcome +
-shaping) plus the group-normalized advantage of that turn's step reward instead (StepSearch's token-level process
-supervision; `dspo.data.buffer`).
+shaping) plus the same estimator's advantage of that turn's step reward among the group's step rewards instead
+(StepSearch's token-level process supervision; `dspo.data.buffer`).
 """
 
 from __future__ import annotations

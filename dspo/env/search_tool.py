@@ -79,7 +79,7 @@ def queries_from_arguments(arguments: object) -> list[str] | None:
     if isinstance(arguments, str):  # some models emit arguments as a JSON-encoded string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # malformed, a number past the digit limit, or nested too deep
             return None
     if not isinstance(arguments, dict):
         return None

@@ -39,10 +39,14 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
-    """`torch.load(weights_only=True)`, memory-mapped: only the policy's tensors are read from disk later."""
+def read_checkpoint(ckpt_path: str, allow_foreign: bool = False) -> dict[str, Any]:
+    """`torch.load(weights_only=True)`, memory-mapped: only the policy's tensors are read from disk later. A folder
+    (distributed) checkpoint is read only when it is the user's own, or with `allow_foreign` (`dspo.trust`)."""
+    from dspo.trust import check_checkpoint_owner
+
     path = Path(ckpt_path).expanduser()
     if path.is_dir():
+        check_checkpoint_owner(path, "ckpt_path", allow_foreign)
         return _read_distributed_checkpoint(path, ckpt_path)
     if not path.is_file():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
@@ -102,7 +106,9 @@ def policy_state_dict(checkpoint: Mapping[str, Any], prefix: str = "policy.") ->
     return weights
 
 
-def export_checkpoint(ckpt_path: str, output_dir: str, model_path: str | None = None) -> tuple[str, int]:
+def export_checkpoint(
+    ckpt_path: str, output_dir: str, model_path: str | None = None, allow_foreign: bool = False
+) -> tuple[str, int]:
     """Write the checkpoint's policy as a Hugging Face model folder; returns (folder, training step).
 
     Tensor names are checked against the base architecture (built on the meta device, no memory), so a checkpoint
@@ -114,7 +120,7 @@ def export_checkpoint(ckpt_path: str, output_dir: str, model_path: str | None = 
 
     from dspo.record import RECORD_FILE, checkpoint_record, write_record
 
-    checkpoint = read_checkpoint(ckpt_path)
+    checkpoint = read_checkpoint(ckpt_path, allow_foreign)
     base = checkpoint_model_dir(checkpoint, model_path)
     weights = policy_state_dict(checkpoint)
     config = AutoConfig.from_pretrained(base)
@@ -210,13 +216,14 @@ def check_model_source(cfg: Any) -> None:
         raise FileNotFoundError(f"model.path={model_path}: no config.json there; point it at a Hugging Face model")
 
 
-def adopt_run_record(cfg: Any, overrides: list[str]) -> list[str]:
-    """Adopt the settings of the run that trained the model (`dspo.record`); the lines to show first."""
+def adopt_run_record(cfg: Any, overrides: list[str], imports: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Adopt the settings of the run that trained the model (`dspo.record`; it may name the targets of dspo and of
+    the `imports` modules only); the lines to show first."""
     from dspo.record import RECORD_FILE, adopt, checkpoint_record, read_model_record
 
     if cfg.get("ckpt_path"):
         source = str(cfg.ckpt_path)
-        record = checkpoint_record(read_checkpoint(source), source)
+        record = checkpoint_record(read_checkpoint(source, bool(cfg.get("allow_foreign_checkpoint"))), source)
     else:
         source = str(Path(str(cfg.model.path)).expanduser() / RECORD_FILE)
         record = read_model_record(cfg.model.path)
@@ -226,7 +233,7 @@ def adopt_run_record(cfg: Any, overrides: list[str]) -> list[str]:
             "tags, 4 turns, top-3) and the retriever and data given here"
         ]
     sections = ("rollout.agent", "rollout.engine", "retriever", "env", "data", "eval.batch_size")
-    return adopt(cfg, record, overrides, source, sections)
+    return adopt(cfg, record, overrides, source, sections, imports)
 
 
 def check_settings(cfg: Any) -> None:
@@ -258,7 +265,7 @@ def resolve_model(cfg: Any, workdir: Path) -> tuple[str, int]:
     if cfg.get("ckpt_path"):
         export_dir = cfg.eval.get("export_dir") or str(workdir / "exported_model")
         log.info("exporting the policy of %s to %s", cfg.ckpt_path, export_dir)
-        return export_checkpoint(str(cfg.ckpt_path), export_dir, model_path)
+        return export_checkpoint(str(cfg.ckpt_path), export_dir, model_path, bool(cfg.get("allow_foreign_checkpoint")))
     check_model_source(cfg)
     return str(Path(model_path).expanduser()), 0
 
@@ -281,9 +288,12 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
     command line's (they win over the settings a trained model records)."""
     from hydra.utils import instantiate
 
+    from dspo.trust import import_modules
+
     out = Path(output_dir)
     check_model_source(cfg)
-    log_adoption(adopt_run_record(cfg, list(overrides)))
+    imports = import_modules(cfg.get("imports"))  # the user's plug-ins: a record may name their targets
+    log_adoption(adopt_run_record(cfg, list(overrides), imports))
     check_settings(cfg)
     sets = load_eval_sets(cfg.data, cfg.eval.get("limit"))
     log.info("benchmarks: %s", {name: len(items) for name, items in sets.items()})

@@ -66,9 +66,10 @@ def _require_path(value: str | None, key: str, kind: str) -> Path:
 EXAMPLE = "dspo-rollout model.path=outputs/train/RUN/model n=8 output=rollouts.jsonl"
 
 
-def adopt_run_record(cfg: DictConfig, overrides: list[str]) -> list[str]:
+def adopt_run_record(cfg: DictConfig, overrides: list[str], imports: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The agent, engine and retriever of the run that trained `model.path` (`dspo.record`), unless overridden; with
-    no `data.path`, its first training file. Returns the lines to show first."""
+    no `data.path`, its first training file. The record may name the targets of dspo and of the `imports` modules only.
+    Returns the lines to show first."""
     from omegaconf import OmegaConf, open_dict
 
     from dspo.record import RECORD_FILE, adopt, read_model_record
@@ -77,7 +78,7 @@ def adopt_run_record(cfg: DictConfig, overrides: list[str]) -> list[str]:
     record = read_model_record(cfg.model.path)
     if record is None:
         return [f"no dspo run record in {source}: a plain model, rolled out with conf/rollout_cli.yaml's settings"]
-    lines = adopt(cfg, record, overrides, source, ("rollout.agent", "rollout.engine", "retriever", "env"))
+    lines = adopt(cfg, record, overrides, source, ("rollout.agent", "rollout.engine", "retriever", "env"), imports)
     train_files = (record["config"].get("data") or {}).get("train_files") or []
     if OmegaConf.is_missing(cfg.data, "path") and train_files:
         with open_dict(cfg):
@@ -93,9 +94,11 @@ def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) ->
 
     from dspo.data.qa import load_qa
     from dspo.rollout.agent import SearchAgent
+    from dspo.trust import import_modules
 
     model_path = _require_path(cfg.model.path, "model.path", "directory")
-    for line in adopt_run_record(cfg, list(overrides)):
+    imports = import_modules(cfg.get("imports"))  # the user's plug-ins: a record may name their targets
+    for line in adopt_run_record(cfg, list(overrides), imports):
         print(f"dspo-rollout: {line}", flush=True)
     data_path = _require_path(cfg.data.path, "data.path", "file or directory")
     if cfg.n < 1 or cfg.group_size < 1:

@@ -9,6 +9,10 @@ Two formats, one loop (`AgentConfig.tag_format`), any tools (`dspo.env.tools`):
   `<search> q </search>`).
 
 Each error has a kind, counted per tool (`rollout/invalid/<tool>/<kind>`; `call` when no tool could be told).
+Nothing the model writes makes parsing raise (a property test throws random text and random JSON at it): a name that
+is not a string, JSON nested deeper than `MAX_JSON_DEPTH` or a number too long to read are invalid calls like the
+others. A tool's `prepare` reports bad arguments by raising `InvalidCall`; anything else it raises is that tool's bug
+and propagates.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ INVALID_JSON = "invalid_json"
 NOT_AN_OBJECT = "not_an_object"
 UNKNOWN_TOOL = "unknown_tool"
 CALL_AFTER_LAST_TURN = "call_after_last_turn"
+TOO_DEEP = "nested_too_deep"
 NO_TOOL = "call"  # the label of errors no tool can be told for (invalid JSON, an unknown name)
 
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
+# No tool takes arguments nested this deep; deeper JSON would only reach recursive code later (records, copies, logs).
+MAX_JSON_DEPTH = 32
 
 
 @dataclass
@@ -83,7 +90,9 @@ def parse_call(text: str, tools: Mapping[str, Any], tag_format: str, close: str)
     if tag_format == "qwen":
         return _parse_qwen(text, tools)
     name = close[2:-1]
-    tool, open_tag = tools[name], f"<{name}>"
+    tool, open_tag = tools.get(name), f"<{name}>"
+    if tool is None:  # only a stop string of `call_closes` ends a call turn; anything else names no tool
+        return _fail(NO_TOOL, UNKNOWN_TOOL, f"Error: {close} closes no tool's call.")
     body = _last_block(text, open_tag, close)
     if body is None:
         return _fail(
@@ -100,14 +109,47 @@ def _parse_qwen(text: str, tools: Mapping[str, Any]) -> ParsedCall:
     body = _last_block(text, QWEN_OPEN, QWEN_CLOSE)
     if body is None:
         return _fail(NO_TOOL, MISSING_OPEN_TAG, f"Error: found {QWEN_CLOSE} without {QWEN_OPEN}. {how}")
-    try:
-        call = json.loads(body.strip())
-    except json.JSONDecodeError as exc:
-        return _fail(NO_TOOL, INVALID_JSON, f"Error: the tool call is not valid JSON ({exc.msg}). {how}")
+    call, problem = load_json(body.strip())
+    if problem is not None:
+        return _fail(NO_TOOL, problem[0], f"Error: the tool call is not valid JSON ({problem[1]}). {how}")
     if not isinstance(call, dict):
         return _fail(NO_TOOL, NOT_AN_OBJECT, f"Error: the tool call must be a JSON object. {how}")
     name = call.get("name")
-    if name not in tools:
+    if not isinstance(name, str) or name not in tools:  # a list or an object as the name is unhashable
         known = f"the only tool is {names[0]!r}" if len(names) == 1 else "the tools are " + ", ".join(map(repr, names))
-        return _fail(NO_TOOL, UNKNOWN_TOOL, f"Error: unknown tool {name!r}; {known}.")
+        return _fail(NO_TOOL, UNKNOWN_TOOL, f"Error: unknown tool {_short(name)}; {known}.")
     return _prepared(tools[name], call.get("arguments"))
+
+
+def load_json(text: str) -> tuple[Any, tuple[str, str] | None]:
+    """(value, None), or (None, (error kind, reason)) for text that is not JSON a tool can take: malformed, a
+    number past Python's digit limit (a ValueError that is no JSONDecodeError), or nested deeper than MAX_JSON_DEPTH
+    (the decoder's own recursion limit raises RecursionError)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, (INVALID_JSON, exc.msg)
+    except ValueError as exc:
+        return None, (INVALID_JSON, str(exc).split(";")[0][:120])
+    except RecursionError:
+        return None, (TOO_DEEP, f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if json_depth(value) > MAX_JSON_DEPTH:
+        return None, (TOO_DEEP, f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value, None
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a decoded JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

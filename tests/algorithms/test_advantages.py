@@ -126,3 +126,24 @@ def test_group_mean_and_rloo_by_hand() -> None:
         estimator(torch.tensor([[1.0, 0.0]])).tolist()
         != estimator(torch.tensor([[1.0, 0.0]]), type(estimator.settings)(eps=1.0)).tolist()
     )
+
+
+def test_turn_advantages_of_the_default_estimator_are_bitwise_the_former_formula() -> None:
+    """Issue 39 (6): per-turn step advantages now go through the configured estimator; for the default (group_norm,
+    δ = 1e-6) every number is bit for bit what the former (r − mean) / (std + eps) in Python floats gave."""
+    import random
+
+    from dspo.algorithms.advantages import turn_advantages
+    from dspo.algorithms.config import AlgorithmConfig
+
+    default = AlgorithmConfig().advantages
+    for seed in range(200):
+        rng = random.Random(seed)
+        steps = [[rng.choice([None, rng.uniform(-2, 2), 0.5, -0.25]) for _ in range(rng.randint(1, 4))] for _ in "abcd"]
+        values = torch.tensor([r for row in steps for r in row if r is not None], dtype=torch.float64)
+        if values.numel() < 2:
+            continue
+        mean, std = float(values.mean()), float(values.std())
+        former = [[0.0 if r is None else (r - mean) / (std + 1e-6) for r in row] for row in steps]
+        assert turn_advantages(steps, estimator=default) == former
+        assert turn_advantages(steps) == former

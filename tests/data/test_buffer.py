@@ -242,3 +242,48 @@ def test_turn_credit_gives_each_turns_tokens_its_own_advantage():
     torch.testing.assert_close(row_c[:5], torch.tensor(expected_c, dtype=torch.float32))
     trajectory_credit = build_round([group], 1, 8, pad_token_id=0, policy_version=0, seed=0)
     assert trajectory_credit.minibatches[0][0].advantages.dim() == 1  # the default: one per sequence, from the totals
+
+
+def _turn_trajectory(outcome, shaping, steps, spans, length):
+    mask = [0] * length
+    for start, end in spans:
+        mask[start:end] = [1] * (end - start)
+    total = outcome + shaping + sum(s for s in steps if s is not None)
+    return Trajectory([1, 2], list(range(3, 3 + length)), mask, [0.0] * length, reward=total, outcome=outcome,
+                      step_rewards=steps, turn_spans=spans)  # fmt: skip
+
+
+# Levels (outcome + shaping) [1, 0, 0.6] and step rewards [0.5, -0.5, 0.25] of the group below, by hand:
+# group_norm: levels mean 8/15, unbiased var (49 + 64 + 1) / 225 / 2 = 0.76/3; steps mean 1/12, unbiased var
+#     (25 + 49 + 4) / 144 / 2 = 13/48
+# group_mean: levels − 8/15 = (7/15, -8/15, 1/15); steps − 1/12 = (5/12, -7/12, 1/6)
+# rloo (R_i − mean of the others): levels (1 − 0.3, 0 − 0.8, 0.6 − 0.5) = (0.7, -0.8, 0.1);
+#     steps (0.5 + 0.125, -0.5 − 0.375, 0.25 − 0) = (0.625, -0.875, 0.25)
+_LSTD, _SSTD = math.sqrt(0.76 / 3) + 1e-6, math.sqrt(13 / 48) + 1e-6
+BY_HAND = {
+    "group_norm": ([7 / 15 / _LSTD, -8 / 15 / _LSTD, 1 / 15 / _LSTD], [5 / 12 / _SSTD, -7 / 12 / _SSTD, 1 / 6 / _SSTD]),
+    "group_mean": ([7 / 15, -8 / 15, 1 / 15], [5 / 12, -7 / 12, 1 / 6]),
+    "rloo": ([0.7, -0.8, 0.1], [0.625, -0.875, 0.25]),
+}
+
+
+@pytest.mark.parametrize("estimator", sorted(BY_HAND))
+def test_turn_credit_scores_the_step_rewards_with_the_configured_estimator(estimator):
+    """Issue 39 (6): with credit=turn, both parts of a token's advantage come from `algorithm.advantage` (the step part
+    was always divided by the std, so group_mean / rloo summed two scales)."""
+    from dspo.algorithms.config import AlgorithmConfig
+
+    a = _turn_trajectory(1.0, 0.0, [0.5, None], [(0, 2), (4, 6)], 6)
+    b = _turn_trajectory(0.0, 0.0, [-0.5, 0.25], [(0, 1), (3, 5)], 5)
+    c = _turn_trajectory(0.0, 0.6, [None], [(0, 3)], 3)
+    group = RolloutGroup(QAItem(id="q", question="q?", golden_answers=["x"]), [a, b, c])
+    advantages = AlgorithmConfig(advantage=estimator, filter="none", group_size=3, batch_groups=1).advantages
+    (batch,) = build_round([group], 1, 8, 0, 0, seed=0, advantages=advantages, credit="turn").minibatches[0]
+    level, step = BY_HAND[estimator]
+    by_len = {int(batch.attention_mask[i].sum()): i for i in range(3)}
+    row_a, row_b, row_c = (batch.advantages[by_len[n]] for n in (8, 7, 5))
+    expected_a = [0, 0] + [level[0] + step[0]] * 2 + [0, 0] + [level[0]] * 2
+    expected_b = [0, 0] + [level[1] + step[1]] + [0, 0] + [level[1] + step[2]] * 2
+    torch.testing.assert_close(row_a, torch.tensor(expected_a, dtype=torch.float32))
+    torch.testing.assert_close(row_b[:7], torch.tensor(expected_b, dtype=torch.float32))
+    torch.testing.assert_close(row_c[:5], torch.tensor([0, 0] + [level[2]] * 3, dtype=torch.float32))

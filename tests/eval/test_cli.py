@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -320,3 +321,72 @@ def test_paper_experiments_compose_and_instantiate(experiment: str, tmp_path: Pa
         compose("eval", ["data=nq_hotpotqa", "model.path=/m", "retriever.index=/i"]).data.test_files
         == cfg.data.test_files
     )
+
+
+# ------------------------------------------------------------------------------------------------ untrusted folders
+def run_eval_main(monkeypatch, capsys, tmp_path: Path, *overrides: str) -> tuple[int, str]:
+    """`dspo-eval OVERRIDES` in this process, as the console script runs it -> (exit code, stderr)."""
+    from dspo.eval.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DSPO_OUTPUTS", str(tmp_path / "outputs"))
+    monkeypatch.delenv("DSPO_VERBOSE", raising=False)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["dspo-eval", *overrides])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("target", "module"),
+    [("os.system", "os"), ("pathlib.Path.touch", "pathlib.Path")],  # Hydra's own blocklist has the first only
+)
+def test_a_planted_record_runs_nothing(tmp_path: Path, monkeypatch, capsys, target: str, module: str) -> None:
+    """Issue 39 (1): an exported model folder whose dspo_run.json names `os.system` (or `Path.touch`) as the
+    environment. Before, the record's sections went to `hydra.utils.instantiate` as they were, and the target ran
+    when the folder was evaluated; now the record is refused, naming the key, before anything is built."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from dspo.record import run_record, write_record
+    from dspo.testing import build_toy_lm
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        record = run_record(hydra_compose(config_name="train", overrides=["output_dir=/tmp/run", "paths.cache=/c"]))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"id": "1", "question": "Who?", "golden_answers": ["Ada"]}) + "\n")
+    pwned = tmp_path / "pwned-planted"
+    record["config"]["data"] = {"test_files": {"planted": str(questions)}, "test_limit": 1}
+    argument = f"touch {pwned}" if target == "os.system" else str(pwned)
+    record["config"]["env"] = {"_target_": target, "_args_": [argument]}
+    model = build_toy_lm(str(tmp_path / "model"))
+    write_record(model, record, step=1)
+    code, err = run_eval_main(monkeypatch, capsys, tmp_path, f"model.path={model}")
+    assert not pwned.exists()
+    assert code == 2 and "Traceback" not in err, err
+    assert "dspo-eval: error: " in err and f"env._target_={target!r} is not a target dspo ships" in err, err
+    assert f"imports=[{module}]" in err and "dspo_run.json" in err
+
+
+def test_a_foreign_folder_checkpoint_is_not_unpickled(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Issue 39 (1): torch's distributed-checkpoint reader unpickles a folder checkpoint's `.metadata`; one that
+    belongs to another user is refused unless `allow_foreign_checkpoint=true`."""
+    import dspo.trust
+
+    pwned = tmp_path / "pwned-metadata"
+
+    class Planted:
+        def __reduce__(self):
+            return os.system, (f"touch {pwned}",)
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    torch.save({"global_step": 3}, folder / "meta.pt")
+    (folder / ".metadata").write_bytes(pickle.dumps(Planted()))
+    monkeypatch.setattr(dspo.trust, "_owner", lambda path: os.getuid() + 1)  # as if another user's
+    code, err = run_eval_main(monkeypatch, capsys, tmp_path, f"ckpt_path={folder}")
+    assert not pwned.exists()
+    assert code == 2 and "Traceback" not in err, err
+    assert "belongs to another user" in err and "allow_foreign_checkpoint=true" in err, err

@@ -1,0 +1,156 @@
+"""What comes from elsewhere is data, never code (issue 39; docs/security.md).
+
+dspo trusts the user's own configs, command line and plug-ins (`imports=[module]`). It does not trust what a model
+folder or a checkpoint brings along, since both are shared and downloaded:
+
+- a run record (`dspo_run.json`, `checkpoint["dspo"]["run"]`, adopted by `dspo.record.adopt`) names `_target_`s that
+  Hydra would import and call. A record may name only what dspo ships: classes and functions defined under the `dspo`
+  package, the few third-party targets of dspo's own `conf/` (`THIRD_PARTY_TARGETS`), and those of the modules the
+  command line imports (`imports=`). Anything else, at any depth (inside `_args_`, `_partial_` nodes, lists), is
+  refused before anything is built, naming the record's key;
+- a record never turns `trust_remote_code` on (a model's own Python code would run): the setting is dropped with a
+  warning; the command line may set it;
+- a distributed checkpoint folder's `.metadata` is a pickle, which torch's reader unpickles: only folders owned by
+  the current user are read, unless `allow_foreign_checkpoint=true`. Single-file checkpoints load with
+  `weights_only=True` everywhere and need no such rule.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# The targets of dspo's conf/ outside the dspo package (tests/test_trust.py keeps this equal to what conf/ names).
+THIRD_PARTY_TARGETS = frozenset(
+    {
+        "lightning.pytorch.Trainer",
+        "lightning.pytorch.callbacks.LearningRateMonitor",
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "lightning.pytorch.loggers.CSVLogger",
+        "lightning.pytorch.loggers.TensorBoardLogger",
+        "lightning.pytorch.loggers.WandbLogger",
+        "lightning.pytorch.strategies.DDPStrategy",
+    }
+)
+PACKAGE = "dspo"
+FOREIGN_CHECKPOINT_KEY = "allow_foreign_checkpoint"
+
+
+class UntrustedRecordError(ValueError):
+    """A run record names code dspo does not ship; the message names the key and how to allow it."""
+
+
+class ForeignCheckpointError(ValueError):
+    """A folder checkpoint of another user would be unpickled; the message says why and how to allow it."""
+
+
+def import_modules(names: Any) -> list[str]:
+    """`imports=[my_pkg.my_objective, ...]`: import user modules before anything is instantiated, so that what they
+    register (`@register_objective`, `@register_advantage`, ...) exists when the config is built and validated, and a
+    run record may name their targets (docs/extending.md). Returns the module names."""
+    if names is None:
+        return []
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"imports must be a list of module names, e.g. imports=[my_objective]; got {names!r}")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:  # a wrong name or path; a module that fails as it runs is a bug: its stack shows
+            raise ImportError(
+                f"imports: module '{name}' failed to import ({type(error).__name__}: {error}); check its name and "
+                "that its folder is on PYTHONPATH (e.g. PYTHONPATH=docs/examples dspo-train imports=[...])"
+            ) from error
+    return list(names)
+
+
+def _under(name: str, packages: Sequence[str]) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
+def allowed_target(target: Any, modules: Sequence[str] = ()) -> bool:
+    """Whether a record may name `target`: a class or function defined in dspo or in one of `modules` (found where
+    the name says: `dspo.record.os.system` is `os.system`, refused), or one of `THIRD_PARTY_TARGETS`."""
+    if not isinstance(target, str):
+        return False
+    if target in THIRD_PARTY_TARGETS:
+        return True
+    packages = (PACKAGE, *modules)
+    if not _under(target, packages):
+        return False
+    from hydra.utils import get_object
+
+    try:
+        found = get_object(target)  # imports only modules under dspo or under what the user imported
+    except Exception:  # noqa: BLE001  no such name: nothing can run, and Hydra names the target when it builds
+        return True
+    module = getattr(found, "__module__", None)
+    return (inspect.isclass(found) or inspect.isroutine(found)) and isinstance(module, str) and _under(module, packages)
+
+
+def _nodes(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every node under `value`, itself first; list items are numbered."""
+    stack = [(path, value)]
+    while stack:
+        key, node = stack.pop()
+        yield key, node
+        if isinstance(node, Mapping):
+            stack.extend((f"{key}.{k}", v) for k, v in reversed(list(node.items())))
+        elif isinstance(node, list):
+            stack.extend((f"{key}.{i}", v) for i, v in reversed(list(enumerate(node))))
+
+
+def check_targets(
+    value: Any, path: str, modules: Sequence[str], overridden: Callable[[str], bool], source: str
+) -> None:
+    """Refuse a record section (`value`, at config key `path`) that names a target dspo does not ship, at any depth;
+    keys the command line sets (`overridden`) are the user's and not checked."""
+    for key, node in _nodes(value, path):
+        if not key.endswith("._target_") or overridden(key) or allowed_target(node, modules):
+            continue
+        module = str(node).rsplit(".", 1)[0] if isinstance(node, str) and "." in node else "MODULE"
+        raise UntrustedRecordError(
+            f"{source}: {key}={node!r} is not a target dspo ships, and a record is data, not code: nothing was built. "
+            f"If you trust this model folder, allow it with imports=[{module}], or set {key}=... (or the whole "
+            f"{path.split('.')[0]}=...) on the command line"
+        )
+
+
+def drop_remote_code(value: Any, path: str, overridden: Callable[[str], bool], source: str) -> list[str]:
+    """Set every `trust_remote_code: true` of a record section to false (in place) unless the command line sets that
+    key; returns a warning line per key dropped."""
+    lines = []
+    for key, node in list(_nodes(value, path)):
+        if not isinstance(node, Mapping) or not node.get("trust_remote_code") or overridden(f"{key}.trust_remote_code"):
+            continue
+        node["trust_remote_code"] = False
+        lines.append(
+            f"WARNING: {key}.trust_remote_code=true in {source} was not adopted: a model folder never turns on "
+            f"running its own Python code. If you trust it, pass {key}.trust_remote_code=true on the command line"
+        )
+    return lines
+
+
+def _owner(path: Path) -> int:
+    return path.stat().st_uid
+
+
+def check_checkpoint_owner(path: str | os.PathLike, key: str, allow_foreign: bool = False) -> None:
+    """A distributed checkpoint folder (torch.distributed.checkpoint: a pickled `.metadata`) is read only when it and
+    its `.metadata` belong to the current user, or with `allow_foreign_checkpoint=true`; single files pass (they load
+    with weights_only=True)."""
+    folder = Path(path).expanduser()
+    metadata = folder / ".metadata"
+    if allow_foreign or not folder.is_dir() or not metadata.exists():
+        return
+    uid = os.getuid()
+    foreign = [str(p) for p in (folder, metadata) if _owner(p) != uid]
+    if foreign:
+        raise ForeignCheckpointError(
+            f"{key}={path}: {foreign[-1]} belongs to another user (uid {_owner(Path(foreign[-1]))}, you are {uid}); "
+            "a checkpoint folder's .metadata is a pickle, and unpickling it can run any code. If you trust where it "
+            f"comes from, pass {FOREIGN_CHECKPOINT_KEY}=true"
+        )

@@ -1,0 +1,142 @@
+"""Issue 39 (1): what comes from elsewhere is data. A run record names only the targets dspo ships (or the command
+line's `imports=`), at any depth; it never turns `trust_remote_code` on; folder checkpoints of another user are not
+unpickled. (The planted model folder end to end: tests/eval/test_cli.py.)"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import dspo.trust
+from dspo.record import adopt, run_record
+from dspo.train import CONF_DIR
+from dspo.trust import (
+    THIRD_PARTY_TARGETS,
+    ForeignCheckpointError,
+    UntrustedRecordError,
+    allowed_target,
+    check_checkpoint_owner,
+    check_targets,
+)
+
+EVAL_SECTIONS = ("rollout.agent", "rollout.engine", "retriever", "env", "data", "eval.batch_size")
+
+
+def _compose(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    return run_record(_compose("train", ["output_dir=/tmp/run", "paths.cache=/c"]))
+
+
+def test_the_third_party_targets_are_those_of_conf() -> None:
+    named = set()
+    for path in sorted(Path(CONF_DIR).rglob("*.yaml")):
+        named |= set(re.findall(r"_target_:\s*([\w.]+)", path.read_text()))
+    assert {t for t in named if not t.startswith("dspo.")} == THIRD_PARTY_TARGETS
+    assert all(allowed_target(t) for t in named)  # every target dspo's own configs name passes
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["os.system", "builtins.eval", "subprocess.run", "dspo.record.json.loads", "dspo.trust.os.system", "dspo", 3, None],
+)
+def test_what_dspo_does_not_ship_is_refused(target) -> None:
+    assert not allowed_target(target)  # `dspo.trust.os.system` is os.system, reached through dspo's namespace
+
+
+def test_the_modules_the_user_imports_are_allowed(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_plugin_39.py").write_text("import os\n\nclass Tool:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert allowed_target("my_plugin_39.Tool", ["my_plugin_39"]) and not allowed_target("my_plugin_39.Tool")
+    assert not allowed_target("my_plugin_39.os.system", ["my_plugin_39"])
+    monkeypatch.delitem(sys.modules, "my_plugin_39", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"_target_": "dspo.env.Environment", "tools": {"search": {"_target_": "os.system"}}}, "env.tools.search"),
+        ({"_target_": "dspo.env.Environment", "_args_": [{"_target_": "os.system", "_partial_": 1}]}, "env._args_.0"),
+        ({"_target_": "dspo.env.Environment", "reward": {"x": [[{"_target_": "os.system"}]]}}, "env.reward.x.0.0"),
+    ],
+)
+def test_targets_are_checked_at_any_depth(section, key) -> None:
+    with pytest.raises(UntrustedRecordError, match=re.escape(f"dspo_run.json: {key}._target_='os.system' is not")):
+        check_targets(section, "env", (), lambda key: False, "dspo_run.json")
+
+
+def test_a_refused_record_changes_nothing_and_says_how_to_allow_it(record) -> None:
+    planted = copy.deepcopy(record)
+    planted["config"]["retriever"]["_target_"] = "shutil.rmtree"
+    cfg = _compose("eval", ["model.path=/m"])
+    before = OmegaConf.to_yaml(cfg)
+    with pytest.raises(UntrustedRecordError) as error:
+        adopt(cfg, planted, ["model.path=/m"], "/m/dspo_run.json", EVAL_SECTIONS)
+    assert OmegaConf.to_yaml(cfg) == before
+    message = str(error.value)
+    assert message.startswith("/m/dspo_run.json: retriever._target_='shutil.rmtree' is not a target dspo ships")
+    assert "imports=[shutil]" in message and "set retriever._target_=... (or the whole retriever=...)" in message
+    # allowed explicitly: the section from the command line, or the module imported by the user
+    adopt(_compose("eval", ["retriever=bm25"]), planted, ["retriever=bm25"], "/m/dspo_run.json", EVAL_SECTIONS)
+    adopt(_compose("eval", []), planted, [], "/m/dspo_run.json", EVAL_SECTIONS, imports=["shutil"])
+
+
+def test_an_engine_target_set_on_the_command_line_is_the_users(record) -> None:
+    planted = copy.deepcopy(record)
+    planted["config"]["rollout"]["engine"]["_target_"] = "os.system"
+    overrides = ["rollout.engine._target_=dspo.rollout.engine.HFEngine"]
+    cfg = _compose("eval", overrides)
+    adopt(cfg, planted, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
+    assert cfg.rollout.engine._target_ == "dspo.rollout.engine.HFEngine"
+
+
+def test_a_record_never_turns_trust_remote_code_on(record) -> None:
+    planted = copy.deepcopy(record)
+    planted["config"]["rollout"]["engine"]["trust_remote_code"] = True
+    cfg = _compose("eval", [])
+    lines = adopt(cfg, planted, [], "/m/dspo_run.json", EVAL_SECTIONS)
+    assert cfg.rollout.engine.trust_remote_code is False
+    (warning,) = [line for line in lines if "trust_remote_code" in line]
+    assert warning.startswith("WARNING: rollout.engine.trust_remote_code=true in /m/dspo_run.json was not adopted")
+    assert "pass rollout.engine.trust_remote_code=true on the command line" in warning
+    assert planted["config"]["rollout"]["engine"]["trust_remote_code"] is True  # the record itself is not changed
+    overrides = ["rollout.engine.trust_remote_code=true"]
+    cfg = _compose("eval", overrides)
+    lines = adopt(cfg, planted, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
+    assert cfg.rollout.engine.trust_remote_code is True and not [line for line in lines if "trust_remote" in line]
+
+
+def test_folder_checkpoints_of_another_user_need_an_explicit_opt_in(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"a pickle")
+    (tmp_path / "file.ckpt").write_bytes(b"weights")
+    check_checkpoint_owner(folder, "ckpt_path")  # the user's own
+    monkeypatch.setattr(dspo.trust, "_owner", lambda path: os.getuid() + 1)
+    with pytest.raises(ForeignCheckpointError, match=r"ckpt_path=.*belongs to another user .*allow_foreign_checkpoint"):
+        check_checkpoint_owner(folder, "ckpt_path")
+    check_checkpoint_owner(folder, "ckpt_path", allow_foreign=True)
+    check_checkpoint_owner(tmp_path / "file.ckpt", "ckpt_path")  # a file loads weights_only=True: no rule
+
+
+def test_resuming_from_a_foreign_folder_checkpoint_is_refused(tmp_path, monkeypatch) -> None:
+    from dspo.resume import resolve_ckpt_path
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"a pickle")
+    monkeypatch.setattr(dspo.trust, "_owner", lambda path: os.getuid() + 1)
+    cfg = OmegaConf.create({"ckpt_path": str(folder), "allow_foreign_checkpoint": False})
+    with pytest.raises(ForeignCheckpointError, match="allow_foreign_checkpoint=true"):
+        resolve_ckpt_path(cfg)
