@@ -270,6 +270,7 @@ def build_report(summary: dict, runs: dict) -> dict:
         "filter_keep_rate": summary.get("dspo_filter", {}).get("keep_rate_pooled", float("nan")),
         "filter_cost_goal_met": bool(filter_cost <= 1.5) if math.isfinite(filter_cost) else None,
         "same_prompt_tokens": len(set().union(*digests.values())) == 1 and all(digests.values()),
+        "phase_seams": PHASES,  # what each phase times: results of other seams are not comparable (issue 40)
     }
 
 
@@ -337,7 +338,10 @@ def profile(args: argparse.Namespace, work: Path, model: str) -> None:
         print(f"  {op['op'][:48]:48} {op['calls']:8d} calls {op['self_cpu_s']:8.2f} s {op['share']:6.1%}")
     out = args.out.with_name("profile_dspo_step.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(finite({"config": vars_json(args), "phases": phases, **result}), indent=1) + "\n")
+    from _dspo_side import PHASES
+
+    record = {"config": vars_json(args), "phases": phases, "phase_seams": PHASES, **result}
+    out.write_text(json.dumps(finite(record), indent=1) + "\n")
     print(f"\nwrote {out}")
     require_measured("vs_trl", {"profile.phases": phases, "profile.top_ops": result.get("top_ops")})
 
