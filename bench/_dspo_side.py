@@ -31,24 +31,28 @@ def prompt_digest(token_lists: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(token_lists).encode()).hexdigest()[:16]
 
 
-# Phases of one step, each the wall time of the function(s) that do it (wrapped by `RoundClock._wrap`).
+# Phases of one step, each timed at a public seam (`RoundClock._wrap`); `other_s` is the rest of the step.
 PHASES = {
-    "push_s": "weight push into the engine (LocalEngine.push -> engine.push_weights)",
-    "generate_s": "rollout: engine calls, reward, filter (RolloutEnvironment.sample_round)",
-    "collate_s": "round building: advantages, bucketing, padding (dspo.data.buffer.build_round)",
-    "forward_s": "logprob forwards: policy (with entropy), old / reference when they apply (DSPOModule._logprobs)",
-    "loss_s": "objective and its statistics (dspo.algorithms.losses.policy_loss)",
+    "push_s": "weight push into the engine (the engine's push_weights, dspo.rollout.engine)",
+    "generate_s": "rollout: engine calls, reward, filter (the logged rollout/time_s)",
+    "collate_s": "round building: advantages, bucketing, padding (the environment's hook less push and generation)",
+    "forward_s": "logprob forward, entropy, correction weights, KL (DSPOModule.micro_batch_loss less the objective)",
+    "loss_s": "objective and its statistics (the algorithm.loss record of dspo.algorithms.OBJECTIVES)",
     "backward_s": "backward passes (DSPOModule.manual_backward)",
-    "clip_s": "gradient norm and clipping (DSPOModule._clip_gradients)",
+    "clip_s": "gradient norm and clipping (last backward's end -> the optimizer step)",
     "optimizer_s": "AdamW step (torch optimizer step hooks)",
 }
+# Phases whose seam must have been entered at least once per step: a seam the code no longer calls measures 0 s,
+# which would pass for a fast phase; the step's record says NaN instead, and bench/_checks.py fails the run.
+TIMED = ("push_s", "loss_s", "backward_s", "optimizer_s")  # and micro_batch_loss (forward_s)
 
 
 class PhaseTimer:
-    """Accumulates the wall time spent in wrapped functions, per phase, until `take()`."""
+    """Accumulates the wall time spent in wrapped functions, per phase, and how often each ran, until `take()`."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self._open: dict[str, float] = {}
 
     def start(self, phase: str) -> None:
@@ -56,6 +60,7 @@ class PhaseTimer:
 
     def stop(self, phase: str) -> None:
         self.seconds[phase] += time.perf_counter() - self._open.pop(phase)
+        self.calls[phase] += 1
 
     def wrap(self, phase: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any):
@@ -64,13 +69,43 @@ class PhaseTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[phase] += time.perf_counter() - tic
+                self.calls[phase] += 1
 
         return timed
 
-    def take(self) -> dict[str, float]:
-        out = {phase: self.seconds.get(phase, 0.0) for phase in PHASES}
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        out = {phase: self.seconds.get(phase, 0.0) for phase in self.seconds}
+        calls = dict(self.calls)
         self.seconds.clear()
-        return out
+        self.calls.clear()
+        return out, calls
+
+
+def timed_objective(name: str, timer: PhaseTimer) -> None:
+    """Replace the registered objective `name` by the same record whose loss is timed (`OBJECTIVES` is read at every
+    micro-batch: `AlgorithmConfig.objective`), through the registry's public pop/add."""
+    from dataclasses import replace
+
+    from dspo.algorithms import OBJECTIVES
+
+    record = OBJECTIVES.pop(name)
+    if record is None:
+        raise KeyError(f"objective {name!r} is not registered: {sorted(OBJECTIVES)}")
+    OBJECTIVES.add(name, replace(record, loss=timer.wrap("loss_s", record.loss)))
+
+
+def timed_push(timer: PhaseTimer) -> None:
+    """Time `push_weights` of every engine class of dspo.rollout.engine (the Engine protocol's method)."""
+    import inspect
+
+    import dspo.rollout.engine as engines
+
+    classes = [c for _, c in inspect.getmembers(engines, inspect.isclass) if c.__module__ == engines.__name__]
+    patched = [c for c in classes if "push_weights" in vars(c) and not inspect.isabstract(c)]
+    if not patched:
+        raise AttributeError("no engine class in dspo.rollout.engine defines push_weights: update bench/_dspo_side.py")
+    for cls in patched:
+        cls.push_weights = timer.wrap("push_s", cls.push_weights)
 
 
 class RoundClock(pl.Callback):
@@ -78,61 +113,69 @@ class RoundClock(pl.Callback):
 
     `step_s`: this hook's on_train_batch_start -> on_train_batch_end (it runs before the environment callback's
     start hook, which samples the round); `cycle_s`: previous batch end -> this one (adds Lightning's loop overhead).
+    The round's rollout statistics are what the environment callback logs (`rollout/*`, trainer.callback_metrics).
     """
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
-        self.tic = self.last_end = 0.0
-        self.round: dict[str, float] = {}
+        self.tic = self.last_end = self.update_start = self.backward_end = 0.0
         self.wrapped = False
-        self.prompt_ids: list[list[int]] = []
         self.phases = PhaseTimer()
 
     def _wrap(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        import dspo.callbacks.environment_callback as env_module
-        import dspo.module as module_module
-        import dspo.rollout.producer as producer_module
-
-        env_cb = next(c for c in trainer.callbacks if isinstance(c, env_module.EnvironmentCallback))
-        side = env_cb.producer.side  # the in-process engine (bench runs at max_staleness 0)
-        sample_round = side.environment.sample_round
-
-        def reading_sample_round(*args: Any, **kwargs: Any):
-            groups, stats = sample_round(*args, **kwargs)
-            self.round.update({k.removeprefix("rollout/"): float(v) for k, v in stats.items()})
-            return groups, stats
-
         wrap = self.phases.wrap
-        side.environment.sample_round = wrap("generate_s", reading_sample_round)
-        side.engine.push_weights = wrap("push_s", side.engine.push_weights)
-        producer_module.build_round = wrap("collate_s", producer_module.build_round)
-        module_module.policy_loss = wrap("loss_s", module_module.policy_loss)
-        methods = {"_logprobs": "forward_s", "manual_backward": "backward_s", "_clip_gradients": "clip_s"}
-        for name, phase in methods.items():
-            setattr(pl_module, name, wrap(phase, getattr(pl_module, name)))
+        training_step = pl_module.training_step
+
+        def marked_training_step(*args: Any, **kwargs: Any):
+            self.update_start = time.perf_counter()  # the environment's hook (push, rollout, round) has run
+            return training_step(*args, **kwargs)
+
+        backward = wrap("backward_s", pl_module.manual_backward)
+
+        def marked_backward(*args: Any, **kwargs: Any):
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self.backward_end = time.perf_counter()
+
+        pl_module.training_step = marked_training_step
+        pl_module.micro_batch_loss = wrap("micro_batch_loss_s", pl_module.micro_batch_loss)
+        pl_module.manual_backward = marked_backward
         optimizer = pl_module.optimizers().optimizer
-        optimizer.register_step_pre_hook(lambda *_: self.phases.start("optimizer_s"))
+
+        def before_step(*_: Any) -> None:
+            self.phases.seconds["clip_s"] += time.perf_counter() - self.backward_end
+            self.phases.start("optimizer_s")
+
+        optimizer.register_step_pre_hook(before_step)
         optimizer.register_step_post_hook(lambda *_: self.phases.stop("optimizer_s"))
-        items = trainer.datamodule.sampler.items
-        self.prompt_ids = [side.agent.prompt_ids(item) for item in items]
         self.wrapped = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.wrapped:
             self._wrap(trainer, pl_module)
-        self.round = {}
         self.phases.take()
-        self.tic = time.perf_counter()
+        self.tic = self.update_start = self.backward_end = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         import torch
 
         now = time.perf_counter()
-        r = self.round
+        r = {
+            k.removeprefix("rollout/"): float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith("rollout/")
+        }
+        seconds, calls = self.phases.take()
+        generate = r.get("time_s", float("nan"))
+        phases = {phase: seconds.get(phase, 0.0) for phase in PHASES}
+        phases["generate_s"] = generate
+        phases["collate_s"] = self.update_start - self.tic - phases["push_s"] - generate
+        phases["forward_s"] = seconds.get("micro_batch_loss_s", 0.0) - phases["loss_s"]
+        phases.update({p: float("nan") for p in TIMED if not calls.get(p)})
+        phases.update({"forward_s": float("nan")} if not calls.get("micro_batch_loss_s") else {})
         sampled = r.get("groups_sampled", 0.0)
-        group_size = pl_module.algo.group_size
-        tokens = r.get("tokens_per_s", 0.0) * r.get("time_s", 0.0)
-        phases = self.phases.take()
+        trajectories = sampled * pl_module.algo.group_size
         step_s = now - self.tic
         self.steps.append(
             {
@@ -140,12 +183,12 @@ class RoundClock(pl.Callback):
                 "cycle_s": now - self.last_end if self.last_end else float("nan"),
                 **phases,
                 "other_s": step_s - sum(phases.values()),
-                "train_s": step_s - phases["generate_s"] - phases["push_s"],  # everything after the rollout
+                "train_s": now - self.update_start,  # everything after the environment's hook
                 "keep_rate": r.get("keep_rate", float("nan")),
                 "groups_sampled": sampled,
                 "engine_calls": r.get("engine_calls", float("nan")),
-                "trajectories": sampled * group_size,
-                "tokens_per_traj": tokens / max(sampled * group_size, 1),
+                "trajectories": trajectories,
+                "tokens_per_traj": r.get("generated_tokens", float("nan")) / max(trajectories, 1),
                 "reward_mean": r.get("sampled_reward_mean", float("nan")),
                 "torch_threads": float(torch.get_num_threads()),
             }
@@ -166,6 +209,20 @@ def top_ops(profiler: Any, rows: int) -> list[dict[str, Any]]:
         }
         for e in events[:rows]
     ]
+
+
+def agent_prompt_ids(cfg: Any, items: list) -> list[list[int]]:
+    """The first prompt's token ids per item, as dspo's agent renders them from this configuration (chat template,
+    tags, tool schemas): what the TRL side's prompts must hash to."""
+    from hydra.utils import instantiate
+    from transformers import AutoTokenizer
+
+    from dspo.rollout.agent import SearchAgent
+
+    agent = SearchAgent(
+        None, AutoTokenizer.from_pretrained(cfg.model.path), instantiate(cfg.env), instantiate(cfg.rollout.agent)
+    )
+    return [agent.prompt_ids(item) for item in items]
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -191,6 +248,8 @@ def main(spec_path: str, result_path: str) -> None:
     trainer: pl.Trainer = objects["trainer"]
     module, datamodule = objects["module"], objects["datamodule"]
     clock = RoundClock()
+    timed_objective(cfg.algorithm.loss, clock.phases)
+    timed_push(clock.phases)
     trainer.callbacks.insert(0, clock)  # first, so its batch-start hook runs before the environment samples
     error, profiler = None, None
     if spec.get("profile"):  # operator-level view (it slows every step down: phase times of such a run are not kept)
@@ -207,11 +266,12 @@ def main(spec_path: str, result_path: str) -> None:
             profiler.__exit__(None, None, None)
     import vllm
 
+    prompt_ids = agent_prompt_ids(cfg, datamodule.sampler.items)
     result = {
         "steps": clock.steps,
         "error": error,
-        "prompt_digest": prompt_digest(clock.prompt_ids),
-        "prompt_tokens_mean": sum(map(len, clock.prompt_ids)) / max(len(clock.prompt_ids), 1),
+        "prompt_digest": prompt_digest(prompt_ids),
+        "prompt_tokens_mean": sum(map(len, prompt_ids)) / max(len(prompt_ids), 1),
         "versions": {"vllm": vllm.__version__, "lightning": pl.__version__},
     }
     if profiler is not None:

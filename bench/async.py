@@ -2,7 +2,9 @@
 0, 1 and 2, with the overlap bound measured in the same run.
 
     .venv/bin/python bench/async.py                        # toy default and the 151k-vocabulary model, k = 0, 1, 2
-    .venv/bin/python bench/async.py --workloads toy --rounds 4 --warmup-rounds 1   # smoke
+    .venv/bin/python bench/async.py --workloads toy --rounds 4 --warmup-rounds 1   # shorter
+    .venv/bin/python bench/async.py --workloads toy --staleness 0 --rounds 3 --warmup-rounds 1 \
+        --override rollout=hf algorithm.group_size=2 algorithm.batch_groups=2      # smoke (the suite's, ~1 min)
     .venv/bin/python bench/async.py --staleness 1 --engine-cores split --transfers shared_memory gloo \
         --out outputs/bench/transfer.json                  # weights over shared memory vs a gloo group
     .venv/bin/python bench/async.py --update-shipped       # rewrite bench/results/async.json (the README's numbers)
@@ -39,7 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
+from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = [
@@ -74,7 +77,8 @@ def run(overrides: list[str], out: Path, cores: list[int] | None, threads: int |
     with open(out.with_suffix(".log"), "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False)
     if done.returncode:
-        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}); see {out.with_suffix('.log')}")
+        tail = out.with_suffix(".log").read_text()[-3000:]
+        require_measured("async", {}, {f"{' '.join(command)} (exit {done.returncode})": tail})
     print(f"  {out.name}: {time.perf_counter() - started:.0f} s", flush=True)
     return out
 
@@ -199,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-rounds", type=int, default=2, help="untimed rounds at the start of each run")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per dspo-train process")
     parser.add_argument("--keep-work", action="store_true", help="keep the run directories (logs, TensorBoard)")
+    parser.add_argument("--override", nargs="+", default=[], help="more dspo-train overrides for every run (smoke)")
     add_output_arguments(parser, "async.json")
     args = parser.parse_args(argv)
     args.out = output_path(parser, args, "async.json")
@@ -214,6 +219,7 @@ def main() -> None:
     for name in args.workloads:
         print(f"{name}:", flush=True)
         overrides, spr = toy_overrides(args.rounds) if name == "toy" else qwen_overrides(args.rounds, work)
+        overrides = [*overrides, *args.override]
         results["workloads"][name] = measure(name, overrides, spr, args, work)
     report(results)
     print_table(results)
@@ -224,6 +230,16 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+    keys = ("step_s", "round_s", "tokens_per_s", "generation_s", "bound_step_s", "timed_steps")
+    figures = {
+        f"{name}.{key}.{k}": value
+        for name, result in results["workloads"].items()
+        for key, run in result.items()
+        if isinstance(run, dict)
+        for k, value in run.items()
+        if k in keys
+    }
+    require_measured("async", {**figures, **{k: results[k] for k in ("ratio", "vs_bound") if k in results}})
 
 
 if __name__ == "__main__":

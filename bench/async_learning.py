@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _checks import require_measured  # noqa: E402  bench/ is on sys.path when this script runs
+
 from dspo.ablation import ci95, run_record, summary  # noqa: E402
 from dspo.analysis import find_runs, scalar_wall_times  # noqa: E402
 
@@ -102,6 +104,9 @@ def main() -> None:
             f"{row['val_final±']:.3f} | {row['test/subem_mean@final']:.3f} ± {row['test/subem_mean@final±']:.3f} | "
             f"{wall[0]:.0f} ± {wall[1]:.0f} | {row['collapsed']} / {row['n']} |"
         )
+    figures = {f"{r['algorithm']} seed {r.get('seed')}.{k}": r.get(k) for r in records for k in ("val_final",)}
+    figures.update({f"{label}.train_wall_s": wall[0] for label, wall in walls.items()})
+    require_measured("async_learning", figures, hint="the sweeps' runs must have finished (validation, TensorBoard)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"runs": records, "summary": table.to_dict("records"), "train_wall_s": walls, "curves": curves}

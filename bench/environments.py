@@ -25,7 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
+from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy default + these)
@@ -48,13 +49,13 @@ SIGNALS = (
 WINDOW = 10  # rounds averaged at the start and at the end of a run
 
 
-def train(setups: list[str], root: Path, seeds: str) -> None:
+def train(setups: list[str], root: Path, seeds: str, extra: list[str]) -> None:
     for name in setups:
         out = root / name
         if out.exists() and any(out.glob("*/metrics.yaml")):
             print(f"[{name}] runs already in {out}: skipped (delete the folder to train again)", flush=True)
             continue
-        cmd = ["dspo-train", "-m", f"seed={seeds}", *SETUPS[name], f"hydra.sweep.dir={out}"]
+        cmd = ["dspo-train", "-m", f"seed={seeds}", *SETUPS[name], *extra, f"hydra.sweep.dir={out}"]
         print(f"[{name}] {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, check=True)
 
@@ -174,13 +175,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
     parser.add_argument("--seeds", default="0,1,2", help="the multirun's seed list (default 0,1,2)")
     parser.add_argument("--root", type=Path, default=Path("outputs") / "environments")
+    parser.add_argument("--override", nargs="+", default=[], help="more dspo-train overrides for every run (smoke)")
     parser.add_argument("--figure", type=Path, default=None, help="the curves' figure (default: beside the JSON)")
     add_output_arguments(parser, "environments.json")
     args = parser.parse_args(argv)
     out = output_path(parser, args, "environments.json")
     root = args.root.resolve()
     if args.run:
-        train(args.setups, root, args.seeds)
+        train(args.setups, root, args.seeds, args.override)
     result = report(root, args.setups)
     if not result:
         sys.exit(f"no finished runs under {root}: train them with --run (see --help)")
@@ -190,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"JSON: {out}")
     figure = args.figure or (ROOT / "docs" / "environments.png" if args.update_shipped else out.with_suffix(".png"))
     plot(root, result, figure)
+    keys = [f"{stage}_{kind}{end}" for kind in TYPES for stage, end in (("val", "_end"), ("test", ""))]
+    figures = {f"{name}.runs": entry["runs"] for name, entry in result.items()}
+    figures.update(
+        {f"{name}.{k}": entry["mean_ci95"].get(k, (None,))[0] for name, entry in result.items() for k in keys}
+    )
+    require_measured("environments", figures, hint="each setup's runs must have finished (validation and test)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
+from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path
 
 REPO = Path(__file__).resolve().parents[1]
 HOTPOTQA = REPO / "data" / "hotpotqa_dev500"  # carried by the repository (data/README.md)
@@ -397,6 +398,22 @@ def main() -> None:
     previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
     args.out.write_text(json.dumps({**previous, **report}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
+    check(report)
+
+
+def check(report: dict) -> None:
+    """Exit non-zero when a (corpus, backend) run was skipped or answered nothing, or the soak measured nothing."""
+    rows, server = report.get("index", []), report.get("server", {})
+    figures = {f"{r['corpus']} {r['backend']}.{k}": r.get(k) or None for r in rows for k in ("queries", "qps")}
+    figures.update(
+        {f"server.{k}": server[k] if server[k] > 0 else None for k in ("requests", "p50_ms")} if server else {}
+    )
+    errors = {f"{r['corpus']} {r['backend']} (skipped)": r.get("skipped") for r in rows}
+    require_measured(
+        "retrieval",
+        {**figures, **({"server.alive_after": server["server_alive_after"] or None} if server else {})},
+        errors,
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
+from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"  # carried by the repository (data/README.md)
@@ -145,6 +146,11 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
+    figures = {f"{name}.{k}": s.get(k) for name, s in results.items() for k in ("tokens_per_s", "generation_s")}
+    figures.update({f"{name}.generated_tokens": s.get("generated_tokens") or None for name, s in results.items()})
+    if "hf" in results:
+        figures["vllm_over_hf_tokens_per_s"] = record["vllm_over_hf_tokens_per_s"]
+    require_measured("rollout", figures)
 
 
 def print_table(results: dict[str, dict]) -> None:

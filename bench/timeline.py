@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings import by name, also when loaded as a module
+from _checks import require_measured  # noqa: E402
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -80,6 +84,12 @@ def main() -> None:
         runs[f"{run_dir.name}: max_staleness={rounds[0].get('max_staleness', 0)}"] = rounds
     for name, rounds in runs.items():
         describe(name, rounds)
+    figures = {}
+    for name, rounds in runs.items():
+        for r in rounds:
+            figures[f"{name} round {r['round']}.generation_s"] = r["generation"][1] - r["generation"][0]
+            figures[f"{name} round {r['round']}.update_s"] = r["trained"] - r["taken"]
+    require_measured("timeline", figures)
     if args.figure:
         draw(runs, args.figure)
         print(f"wrote {args.figure}")

@@ -45,7 +45,8 @@ import threading
 import time
 from pathlib import Path
 
-from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
+from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path
 
 
 class PeakRSS:
@@ -353,6 +354,11 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2, default=str))  # args hold Paths
     print(f"\nwrote {args.output}")
+    keys = ("seconds", "tokens_per_s", "padding_share", "efficiency")
+    figures = {f"{name}.{k}": s[k] for name, s in summary.items() for k in keys}
+    figures.update({f"{name}.real_tokens": s["real_tokens"] or None for name, s in summary.items()})
+    figures.update({f"{name}.flops": flops[name] or None for name in summary})
+    require_measured("train_step", {**figures, "matmul_limit_flops_per_s": limit or None})
 
 
 def _median(runs: list[dict]) -> dict[str, float]:

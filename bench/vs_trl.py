@@ -53,8 +53,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _outputs import add_output_arguments, output_path  # bench/ is on sys.path when this script runs
-from _trl_env import ensure_trl_venv
+from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path
+from _trl_env import ensure_trl_venv, probe_trl
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"  # carried by the repository (data/README.md)
@@ -269,6 +270,7 @@ def build_report(summary: dict, runs: dict) -> dict:
         "filter_keep_rate": summary.get("dspo_filter", {}).get("keep_rate_pooled", float("nan")),
         "filter_cost_goal_met": bool(filter_cost <= 1.5) if math.isfinite(filter_cost) else None,
         "same_prompt_tokens": len(set().union(*digests.values())) == 1 and all(digests.values()),
+        "phase_seams": PHASES,  # what each phase times: results of other seams are not comparable (issue 40)
     }
 
 
@@ -324,8 +326,8 @@ def profile(args: argparse.Namespace, work: Path, model: str) -> None:
     spec = {**dspo_spec(args, work, model, False, args.seed), "profile": True, "profile_rows": 25}
     result = run_child(sys.executable, "_dspo_side.py", spec, work, "profile", args.child_timeout_s)
     steps = result["steps"][args.warmup :]
-    if not steps:
-        raise SystemExit(f"profile run failed: {result.get('error')}")
+    error = "\n".join(filter(None, [result.get("error"), result.get("log_tail")]))
+    require_measured("vs_trl", {"profile.measured_steps": len(steps) or None}, {"profile": error})
     phases = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     print_phases(phases)
     print(
@@ -336,8 +338,12 @@ def profile(args: argparse.Namespace, work: Path, model: str) -> None:
         print(f"  {op['op'][:48]:48} {op['calls']:8d} calls {op['self_cpu_s']:8.2f} s {op['share']:6.1%}")
     out = args.out.with_name("profile_dspo_step.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(finite({"config": vars_json(args), "phases": phases, **result}), indent=1) + "\n")
+    from _dspo_side import PHASES
+
+    record = {"config": vars_json(args), "phases": phases, "phase_seams": PHASES, **result}
+    out.write_text(json.dumps(finite(record), indent=1) + "\n")
     print(f"\nwrote {out}")
+    require_measured("vs_trl", {"profile.phases": phases, "profile.top_ops": result.get("top_ops")})
 
 
 def vars_json(args: argparse.Namespace) -> dict:
@@ -368,6 +374,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--trl-version", default="1.16.0")
     add("--trl-venv", type=Path, default=ROOT / "bench" / ".trl-venv")
     add("--fresh-trl-venv", action="store_true", help="rebuild the TRL environment")
+    add(
+        "--trl-if-installed",
+        action="store_true",
+        help="use the TRL environment only if it already imports trl==--trl-version; else skip the TRL side (no "
+        "install, no ratio): the suite's smoke run",
+    )
     add("--child-timeout-s", type=float, default=400.0)
     add("--keep-work", action="store_true", help="keep the work dir (model, child logs) instead of deleting it")
     add("--budget-s", type=float, default=540.0, help="start no repeat that would end later than this")
@@ -399,12 +411,13 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         return
 
-    trl_info = ensure_trl_venv(args.trl_venv, args.trl_version, args.fresh_trl_venv)
-    print(
-        f"TRL environment {args.trl_venv}: trl {trl_info['trl']}, accelerate {trl_info['accelerate']}; torch "
-        f"{trl_info['torch']}, transformers {trl_info['transformers']} from dspo's environment",
-        flush=True,
-    )
+    trl_info = trl_environment(args)
+    if trl_info:
+        print(
+            f"TRL environment {args.trl_venv}: trl {trl_info['trl']}, accelerate {trl_info['accelerate']}; torch "
+            f"{trl_info['torch']}, transformers {trl_info['transformers']} from dspo's environment",
+            flush=True,
+        )
     work = Path(tempfile.mkdtemp(prefix="dspo_bench_vs_trl_"))
     model, rows, prompts = resolve_workload(args, work)
     prepare_work(work, rows)
@@ -414,7 +427,7 @@ def main() -> None:
         flush=True,
     )
 
-    order = ["dspo_nofilter", "trl"] + ([] if args.skip_filter else ["dspo_filter"])
+    order = ["dspo_nofilter"] + (["trl"] if trl_info else []) + ([] if args.skip_filter else ["dspo_filter"])
     runs: dict[str, list[dict]] = {k: [] for k in order}
     start = time.perf_counter()
     for rep in range(args.repeats):
@@ -429,7 +442,7 @@ def main() -> None:
     report = build_report(summary, runs)
     print_table(summary, report)
     env = {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
-    env.update({k: v for k, v in trl_info.items() if not k.endswith("_file")})
+    env.update({k: v for k, v in (trl_info or {}).items() if not k.endswith("_file")})
     config = vars_json(args)
     record = {"config": config, "environment": env, **report, "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -437,6 +450,43 @@ def main() -> None:
     print(f"\nwrote {args.out}" + (f"; child logs in {work}" if args.keep_work else ""))
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
+    if not trl_info:
+        print(f"TRL side SKIPPED: TRL {args.trl_version} is not installed in {args.trl_venv} (--trl-if-installed)")
+    check(report, summary, runs)
+
+
+def trl_environment(args: argparse.Namespace) -> dict | None:
+    """The TRL environment's versions; None when --trl-if-installed finds no TRL there (the side is skipped)."""
+    if not args.trl_if_installed:
+        return ensure_trl_venv(args.trl_venv, args.trl_version, args.fresh_trl_venv)
+    python = args.trl_venv / "bin" / "python"
+    info = probe_trl(python) if python.exists() else None
+    if info is None or info["trl"] != args.trl_version:
+        print(
+            f"TRL side SKIPPED: trl=={args.trl_version} is not installed in {args.trl_venv} (--trl-if-installed; "
+            "run without it to build that environment). Only dspo's side is measured: no ratio.",
+            flush=True,
+        )
+        return None
+    return ensure_trl_venv(args.trl_venv, args.trl_version, False)
+
+
+def check(report: dict, summary: dict, runs: dict) -> None:
+    """Exit non-zero when a configuration that ran measured no step, or a figure of it is NaN (bench/_checks.py)."""
+    figures: dict = {f"{name}.measured_steps": summary[name].get("steps") or None for name in runs}
+    figures["dspo_step_s"] = report["dspo_step_s"]
+    figures["phases.dspo_nofilter"] = report["phases"]["dspo_nofilter"]
+    if "trl" in runs:
+        figures.update({k: report[k] for k in ("trl_step_s", "ratio")})
+        figures["same_prompt_tokens"] = report["same_prompt_tokens"] or None  # both sides must see the same tokens
+    if "dspo_filter" in runs:
+        figures.update({k: report[k] for k in ("filter_cost", "filter_keep_rate")})
+    errors = {
+        f"{r['variant']} (repeat {r['repeat']})": "\n".join(filter(None, [r.get("error"), r.get("log_tail")]))
+        for rs in runs.values()
+        for r in rs
+    }
+    require_measured("vs_trl", figures, errors, hint="the side's log tail is above; bench/_dspo_side.py times dspo")
 
 
 if __name__ == "__main__":

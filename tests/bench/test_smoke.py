@@ -1,0 +1,76 @@
+"""Every script of bench/ in its smoke mode (tiny sizes, one repeat; the commands bench/README.md lists): each must
+exit 0, which it does only when every figure it reports was measured (bench/_checks.py). A benchmark whose wrapped code
+moved (issue 40: `dspo.module.policy_loss`) fails here, not silently in a later re-measurement."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_TRAIN = ["rollout=hf", "algorithm.group_size=2", "algorithm.batch_groups=2"]
+# script -> its smoke arguments (bench/README.md quotes these)
+SMOKE = {
+    "train_step": "--groups 2 --group-size 2 --micro-batch-size 2 --repeats 1 --hidden-size 32 --num-layers 1 "
+    "--num-heads 1 --threads 2",
+    "retrieval": "--mode all --synthetic-size 2000 --repeats 1 --query-budget-s 2 --clients 4 --duration-s 3 "
+    "--batch-mix 1:0.7,8:0.3",
+    "rollout": "--questions 2 --group-size 2 --repeats 1",
+    "vs_trl": "--trl-if-installed --skip-filter --steps 1 --repeats 1 --prompts 2 --group-size 2 --max-new-tokens 16 "
+    "--num-questions 8 --threads 2",
+    "async": "--workloads toy --staleness 0 --rounds 3 --warmup-rounds 1 --override " + " ".join(TINY_TRAIN),
+    "environments": "--run --setups search --seeds 0 --root envs --override trainer.max_steps=2 "
+    "trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
+}
+
+
+def train_env(cache: Path, outputs: Path) -> dict[str, str]:
+    """As conftest's: `dspo-train` on the session's toy cache (toy_cache fixture), outputs in the test's folder."""
+    return {**os.environ, "DSPO_CACHE": str(cache), "DSPO_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1"}
+
+
+def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(env or os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # dspo-train of this environment
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, str(REPO / "bench" / f"{script}.py"), *args]
+    tic = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    print(f"bench/{script}.py smoke: {time.perf_counter() - tic:.1f} s")
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["train_step", "retrieval", "rollout"])
+def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
+    run_bench(script, SMOKE[script].split(), tmp_path)
+    assert (tmp_path / "outputs" / "bench" / f"{script}.json").is_file()
+
+
+@pytest.mark.slow
+def test_vs_trl_smoke_measures_every_dspo_phase(tmp_path: Path) -> None:
+    """The dspo side runs dspo's real loop; TRL only where its environment is already built (never installed here)."""
+    done = run_bench("vs_trl", SMOKE["vs_trl"].split(), tmp_path)
+    trl_built = (REPO / "bench" / ".trl-venv" / "bin" / "python").exists()
+    assert trl_built or "TRL side SKIPPED: trl==" in done.stdout
+
+
+@pytest.mark.slow
+def test_async_smoke(toy_cache: Path, tmp_path: Path) -> None:
+    run_bench("async", SMOKE["async"].split(), tmp_path, train_env(toy_cache, tmp_path / "runs"))
+
+
+@pytest.mark.slow
+def test_environments_timeline_async_learning_smoke(toy_cache: Path, tmp_path: Path) -> None:
+    """One 2-step multirun (environments.py --run) that the two run-reading scripts then read."""
+    env = train_env(toy_cache, tmp_path / "runs")
+    run_bench("environments", SMOKE["environments"].split(), tmp_path, env)
+    (run,) = (tmp_path / "envs" / "search").glob("*seed0")
+    run_bench("timeline", [str(run), "--skip", "0", "--figure", "timeline.png"], tmp_path, env)
+    run_bench("async_learning", [str(run.parent), "--json", "al.json"], tmp_path, env)
