@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -300,3 +302,42 @@ def toy_run(
     return SimpleNamespace(
         module=module, callback=callback, agent=agent, engine=engine, datamodule=datamodule, trainer=trainer
     )
+
+
+EXIT_DEADLINE_S = 30  # from a command's last line to its exit (measured: ~1-2 s; issue 38 point 10 hung for ever)
+
+
+def run_to_exit(
+    cmd: list[str], env: dict, timeout: float, finished: str, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` under two deadlines: `timeout` for the whole command, and
+    EXIT_DEADLINE_S from the stdout line containing `finished` to the process's exit (a finished run that never
+    exits, e.g. an executor joined before it was shut down, fails here instead of holding a job until walltime)."""
+    import threading
+    import time
+
+    process = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+    finished_at: list[float] = []
+
+    def read(name: str) -> None:
+        for line in getattr(process, name):
+            lines[name].append(line)
+            if name == "stdout" and finished in line:
+                finished_at.append(time.time())
+
+    readers = [threading.Thread(target=read, args=(name,), daemon=True) for name in lines]
+    for reader in readers:
+        reader.start()
+    started = time.time()
+    while process.poll() is None:
+        late = finished_at and time.time() - finished_at[0] > EXIT_DEADLINE_S
+        if late or time.time() - started > timeout:
+            process.kill()
+            process.wait()
+            what = f"did not exit within {EXIT_DEADLINE_S} s of '{finished}'" if late else f"ran over {timeout} s"
+            raise AssertionError(f"{' '.join(cmd)} {what}\n{''.join(lines['stderr'])[-4000:]}")
+        time.sleep(0.2)
+    for reader in readers:
+        reader.join(10)
+    return subprocess.CompletedProcess(cmd, process.returncode, "".join(lines["stdout"]), "".join(lines["stderr"]))

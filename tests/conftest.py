@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import dspo  # noqa: F401  registers the configs' resolvers (${dspo.data_dir:}, ${dspo.precision:}) for compose() in tests
+from dspo.testing import run_to_exit
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -78,8 +79,8 @@ def run_train(toy_cache: Path) -> Callable[..., subprocess.CompletedProcess]:
 
     def run(args: list[str], outputs: Path, timeout: int = 900) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "dspo.train", *args]
-        env = train_env(toy_cache, outputs)
-        result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        # and it exits promptly once finished (issue 38, point 10: a finished DDP run never exited)
+        result = run_to_exit(cmd, train_env(toy_cache, outputs), timeout, finished="dspo-train finished", cwd=REPO)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         return result
 

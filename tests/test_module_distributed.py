@@ -213,3 +213,52 @@ def test_one_round_ahead_under_ddp_and_fsdp_keeps_the_ranks_in_step(tmp_path: Pa
     assert [r["closed"] for r in ranks] == [None, None]
     for name, tensor in ranks[0]["weights"].items():
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
+
+
+def _failing_rank_worker(fault: str, rank: int, port: int, lm_dir: str, root: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dspo.testing import toy_run
+    from dspo.train import fit_or_checkpoint
+
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+    os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank), "DSPO_FAULT": fault})
+    run = toy_run(lm_dir, f"{root}/rank{rank}", 6, max_staleness=1, batch_groups=4)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=6, callbacks=[run.callback], logger=False,
+        strategy=DDPStrategy(process_group_backend="gloo"), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
+    )  # fmt: skip
+    error = None
+    try:
+        fit_or_checkpoint(trainer, run.module, run.datamodule, None)
+    except Exception as failure:  # noqa: BLE001 - reported to the test
+        error = f"{type(failure).__name__}: {failure}"
+    report = {"error": error, "steps": trainer.global_step, "closed": run.callback.producer.side.worker}
+    torch.save(report, f"{root}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "raised"),
+    [
+        ("trainer.push@1#3=raise", "FaultInjected: DSPO_FAULT: trainer.push on rank 1"),  # hung before issue 38
+        ("engine.generating@1#3", "EngineProcessDied"),  # rank 1's engine process killed mid-generation
+    ],
+)
+def test_a_push_or_take_failing_on_one_rank_ends_both_ranks_with_a_failure_checkpoint(tmp_path, fault, raised):
+    """Issue 38 (4): rank 1's push fails (or its engine process dies) while rank 0's succeeds: both ranks raise at
+    the same point, within the deadline, rank 0 naming the other rank, and the failure checkpoint is written (its
+    save is a collective too)."""
+    from functools import partial
+
+    from dspo.testing import build_toy_lm
+
+    lm_dir = build_toy_lm(str(tmp_path / "lm"))
+    ranks = _run_ranks(partial(_failing_rank_worker, fault), lm_dir, tmp_path, "a rank waited for the failed one")
+    assert raised in ranks[1]["error"]
+    assert "another rank failed while taking round 2" in ranks[0]["error"]
+    assert [r["steps"] for r in ranks] == [2, 2] and [r["closed"] for r in ranks] == [None, None]
+    assert (tmp_path / "rank0" / "checkpoints" / "failure.ckpt").is_file()

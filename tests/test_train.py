@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspo.analysis import find_runs, load_scalars
+from dspo.testing import run_to_exit
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = [
@@ -129,7 +130,7 @@ def _check_the_model_carries_its_environment(run_dir: Path, cache: Path, tmp_pat
     env = _env(cache, tmp_path / "cli_outputs")
     out = tmp_path / "eval"
     cmd = [sys.executable, "-m", "dspo.eval.cli", f"model.path={run_dir / 'model'}", f"eval.output_dir={out}"]
-    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_to_exit(cmd, env, 600, finished="results written to", cwd=REPO)  # and it exits promptly (issue 38, 10)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "adopted from" in result.stdout and "tag_format=searchr1" in result.stdout
     assert json.loads((out / "results.json").read_text()) == json.loads((run_dir / "test" / "results.json").read_text())
@@ -139,7 +140,7 @@ def _check_the_model_carries_its_environment(run_dir: Path, cache: Path, tmp_pat
     # is the adoption, and dspo-eval just ran the vLLM engine
     model = f"model.path={run_dir / 'model'}"
     cmd = [sys.executable, "-m", "dspo.rollout.cli", model, "n=4", f"output={rollouts}", "rollout=hf"]
-    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_to_exit(cmd, env, 600, finished="dspo-rollout: wrote", cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "data.path=" in result.stdout and "(the run's first training file" in result.stdout
     assert "kept from the command line: rollout.engine" in result.stdout and "rollout.agent (" in result.stdout

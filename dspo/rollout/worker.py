@@ -241,7 +241,7 @@ def _serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> 
     threading.Thread(target=_exit_with_the_trainer, args=(parent_alive(),), name="dspo-orphan", daemon=True).start()
     try:
         from dspo.console import quiet_console
-        from dspo.train import import_modules
+        from dspo.trust import import_modules
 
         # a spawned process inherits neither the trainer's log handlers nor its filters: records would reach Python's
         # last-resort handler unfiltered
