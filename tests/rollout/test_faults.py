@@ -112,7 +112,7 @@ def test_a_weights_lock_left_held_by_a_killed_process_ends_either_sides_wait():
         "engine.holding_weights#2",  # the lock held: hung before issue 38
         "engine.mid_load#2",  # inside the engine's load, the lock held: hung before issue 38
         "engine.generating#3",  # not a defect before either: the trainer's wait for the round notices
-        "engine.waiting#2",  # not a defect before either: the next wait notices
+        "engine.waiting#3",  # not a defect before either: the next wait notices (#3: after push 2, so after step 1)
     ],
 )
 def test_the_trainer_ends_with_a_failure_checkpoint_wherever_the_engine_process_is_killed(
