@@ -90,6 +90,28 @@ class RecordingEngine:
         self.version = version
 
 
+def compose_config(name: str, overrides: list[str]):
+    """The composed Hydra config `conf/<name>.yaml` with `overrides`, as the commands compose it (not resolved)."""
+    from hydra import compose, initialize_config_dir
+
+    from dspo.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def worker_spec(max_staleness: int = 1, **changes: Any):
+    """A `WorkerSpec` of the stand-ins (recording engine, scripted agent; G = 4, B = 2): an engine process that costs
+    a Python start-up, not an engine's. `changes` replace any field."""
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.models import ModelConfig
+    from dspo.rollout.worker import WorkerSpec
+
+    algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
+    fields = dict(engine=recording_engine, agent=None, env=None, algorithm=algorithm, model=ModelConfig(path="unused"))
+    return WorkerSpec(**{**fields, "build_agent": scripted_agent, **changes}, seed=0, max_staleness=max_staleness)
+
+
 def recording_engine(model_path: str | None = None) -> RecordingEngine:
     """A `RecordingEngine` built as the real engines are (`engine(model_path=...)`): the engine process's stand-in."""
     return RecordingEngine()

@@ -98,3 +98,12 @@ def short_default_hf() -> list[str]:
     """The shortened default on the transformers engine (`FAST_ENGINE`): for end-to-end tests where generation is not
     what is tested."""
     return [*SHORT_DEFAULT, FAST_ENGINE]
+
+
+@pytest.fixture(scope="session")
+def record() -> dict:
+    """The run record of the toy default's training config (Search-R1 tags, top-1, 3 turns, the toy test sets)."""
+    from dspo.record import run_record
+    from dspo.testing import compose_config
+
+    return run_record(compose_config("train", ["output_dir=/tmp/run", "paths.cache=/c"]))

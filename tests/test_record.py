@@ -6,22 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dspo.record import RECORD_FILE, adopt, checkpoint_record, read_model_record, run_record, write_record
-from dspo.train import CONF_DIR
-
-
-def _compose(name: str, overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name=name, overrides=overrides)
-
-
-@pytest.fixture(scope="module")
-def record() -> dict:
-    """The record of the toy default's training config (Search-R1 tags, top-1, 3 turns, the toy test sets)."""
-    return run_record(_compose("train", ["output_dir=/tmp/run", "paths.cache=/c"]))
+from dspo.record import RECORD_FILE, adopt, checkpoint_record, read_model_record, write_record
+from dspo.testing import compose_config
 
 
 def test_the_record_holds_the_resolved_sections_of_the_run(record, tmp_path) -> None:
@@ -50,7 +38,7 @@ EVAL_SECTIONS = ("rollout.agent", "rollout.engine", "retriever", "data", "eval.b
 
 def test_eval_adopts_the_trained_agent_retriever_and_test_sets(record) -> None:
     overrides = ["model.path=/m"]
-    cfg = _compose("eval", overrides)
+    cfg = compose_config("eval", overrides)
     lines = adopt(cfg, record, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
     assert cfg.rollout.agent.tag_format == "searchr1" and cfg.rollout.agent.topk == 1
     assert cfg.retriever.index == "/c/toyworld/default/world/bm25"
@@ -62,7 +50,7 @@ def test_eval_adopts_the_trained_agent_retriever_and_test_sets(record) -> None:
 
 def test_command_line_overrides_win_and_agent_changes_are_warned_by_name(record) -> None:
     overrides = ["model.path=/m", "rollout.agent.topk=3", "retriever=remote", "data=file", "data.path=q.jsonl"]
-    cfg = _compose("eval", overrides)
+    cfg = compose_config("eval", overrides)
     lines = adopt(cfg, record, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
     assert cfg.rollout.agent.topk == 3 and cfg.rollout.agent.tag_format == "searchr1"  # the rest still adopted
     assert cfg.retriever._target_ == "dspo.search.client.RemoteRetriever" and cfg.data.path == "q.jsonl"
@@ -74,7 +62,7 @@ def test_command_line_overrides_win_and_agent_changes_are_warned_by_name(record)
 
 def test_another_engine_on_the_command_line_keeps_the_trained_agent(record) -> None:
     overrides = ["model.path=/m", "rollout=hf", "eval.batch_size=7"]
-    cfg = _compose("eval", overrides)
+    cfg = compose_config("eval", overrides)
     adopt(cfg, record, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
     assert cfg.rollout.engine._target_ == "dspo.rollout.engine.HFEngine" and cfg.rollout.agent.tag_format == "searchr1"
     assert cfg.eval.batch_size == 7

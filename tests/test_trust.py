@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import dspo.trust
-from dspo.record import adopt, run_record
+from dspo.record import adopt
+from dspo.testing import compose_config
 from dspo.train import CONF_DIR
 from dspo.trust import (
     THIRD_PARTY_TARGETS,
@@ -27,16 +27,6 @@ from dspo.trust import (
 )
 
 EVAL_SECTIONS = ("rollout.agent", "rollout.engine", "retriever", "env", "data", "eval.batch_size")
-
-
-def _compose(name: str, overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name=name, overrides=overrides)
-
-
-@pytest.fixture(scope="module")
-def record() -> dict:
-    return run_record(_compose("train", ["output_dir=/tmp/run", "paths.cache=/c"]))
 
 
 def test_the_third_party_targets_are_those_of_conf() -> None:
@@ -79,7 +69,7 @@ def test_targets_are_checked_at_any_depth(section, key) -> None:
 def test_a_refused_record_changes_nothing_and_says_how_to_allow_it(record) -> None:
     planted = copy.deepcopy(record)
     planted["config"]["retriever"]["_target_"] = "shutil.rmtree"
-    cfg = _compose("eval", ["model.path=/m"])
+    cfg = compose_config("eval", ["model.path=/m"])
     before = OmegaConf.to_yaml(cfg)
     with pytest.raises(UntrustedRecordError) as error:
         adopt(cfg, planted, ["model.path=/m"], "/m/dspo_run.json", EVAL_SECTIONS)
@@ -88,15 +78,15 @@ def test_a_refused_record_changes_nothing_and_says_how_to_allow_it(record) -> No
     assert message.startswith("/m/dspo_run.json: retriever._target_='shutil.rmtree' is not a target dspo ships")
     assert "imports=[shutil]" in message and "set retriever._target_=... (or the whole retriever=...)" in message
     # allowed explicitly: the section from the command line, or the module imported by the user
-    adopt(_compose("eval", ["retriever=bm25"]), planted, ["retriever=bm25"], "/m/dspo_run.json", EVAL_SECTIONS)
-    adopt(_compose("eval", []), planted, [], "/m/dspo_run.json", EVAL_SECTIONS, imports=["shutil"])
+    adopt(compose_config("eval", ["retriever=bm25"]), planted, ["retriever=bm25"], "/m/dspo_run.json", EVAL_SECTIONS)
+    adopt(compose_config("eval", []), planted, [], "/m/dspo_run.json", EVAL_SECTIONS, imports=["shutil"])
 
 
 def test_an_engine_target_set_on_the_command_line_is_the_users(record) -> None:
     planted = copy.deepcopy(record)
     planted["config"]["rollout"]["engine"]["_target_"] = "os.system"
     overrides = ["rollout.engine._target_=dspo.rollout.engine.HFEngine"]
-    cfg = _compose("eval", overrides)
+    cfg = compose_config("eval", overrides)
     adopt(cfg, planted, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
     assert cfg.rollout.engine._target_ == "dspo.rollout.engine.HFEngine"
 
@@ -104,7 +94,7 @@ def test_an_engine_target_set_on_the_command_line_is_the_users(record) -> None:
 def test_a_record_never_turns_trust_remote_code_on(record) -> None:
     planted = copy.deepcopy(record)
     planted["config"]["rollout"]["engine"]["trust_remote_code"] = True
-    cfg = _compose("eval", [])
+    cfg = compose_config("eval", [])
     lines = adopt(cfg, planted, [], "/m/dspo_run.json", EVAL_SECTIONS)
     assert cfg.rollout.engine.trust_remote_code is False
     (warning,) = [line for line in lines if "trust_remote_code" in line]
@@ -112,7 +102,7 @@ def test_a_record_never_turns_trust_remote_code_on(record) -> None:
     assert "pass rollout.engine.trust_remote_code=true on the command line" in warning
     assert planted["config"]["rollout"]["engine"]["trust_remote_code"] is True  # the record itself is not changed
     overrides = ["rollout.engine.trust_remote_code=true"]
-    cfg = _compose("eval", overrides)
+    cfg = compose_config("eval", overrides)
     lines = adopt(cfg, planted, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
     assert cfg.rollout.engine.trust_remote_code is True and not [line for line in lines if "trust_remote" in line]
 

@@ -269,6 +269,7 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout_s)
+        log.info("engine process %s ended (exit code %s)", self.pid, self.process.exitcode)
         self.process = None
         self._ready.clear()
         self.transfer.close()

@@ -4,25 +4,12 @@ minutes and are not run here)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture()
-def bench(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-
-    def load(name: str):
-        sys.modules.pop(name, None)
-        return importlib.import_module(name)
-
-    return load
 
 
 def _write_run(directory: Path, rounds: int, steps_per_round: int, step_s: float, values: dict[str, list[float]]):

@@ -3,25 +3,12 @@ bench/vs_trl.py's check on hand-made results (a dspo side that crashed, a TRL si
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture()
-def bench(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-
-    def load(name: str):
-        sys.modules.pop(name, None)
-        return importlib.import_module(name)
-
-    return load
 
 
 def test_measured_figures_pass_and_missing_ones_are_named(bench) -> None:

@@ -210,18 +210,9 @@ def test_collate_makes_integer_rewards_and_advantages_float():
 def test_turn_credit_gives_each_turns_tokens_its_own_advantage():
     """Per-turn credit (env.reward.credit=turn): a turn's tokens get the trajectory-level advantage (Eq. 10 on outcome
     + shaping) + the group-normalized advantage of its step reward; tool tokens and the prompt get 0. By hand."""
-
-    def trajectory(outcome, shaping, steps, spans, length):
-        mask = [0] * length
-        for start, end in spans:
-            mask[start:end] = [1] * (end - start)
-        total = outcome + shaping + sum(s for s in steps if s is not None)
-        return Trajectory([1, 2], list(range(3, 3 + length)), mask, [0.0] * length, reward=total, outcome=outcome,
-                          step_rewards=steps, turn_spans=spans)  # fmt: skip
-
-    a = trajectory(1.0, 0.0, [0.5, None], [(0, 2), (4, 6)], 6)  # search turn, tool tokens 2-3, answer turn
-    b = trajectory(0.0, 0.0, [-0.5, 0.25], [(0, 1), (3, 5)], 5)
-    c = trajectory(0.0, 0.6, [None], [(0, 3)], 3)  # answered at once, wrong, with a shaping term
+    a = _turn_trajectory(1.0, 0.0, [0.5, None], [(0, 2), (4, 6)], 6)  # search turn, tool tokens 2-3, answer turn
+    b = _turn_trajectory(0.0, 0.0, [-0.5, 0.25], [(0, 1), (3, 5)], 5)
+    c = _turn_trajectory(0.0, 0.6, [None], [(0, 3)], 3)  # answered at once, wrong, with a shaping term
     group = RolloutGroup(QAItem(id="q", question="q?", golden_answers=["x"]), [a, b, c])
     rnd = build_round([group], 1, 8, pad_token_id=0, policy_version=0, seed=0, credit="turn")
     (batch,) = rnd.minibatches[0]

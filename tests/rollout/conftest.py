@@ -73,3 +73,11 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from dspo.toy.model import build_tiny_model
 
     return build_tiny_model(str(QWEN_TOKENIZER), str(tmp_path_factory.mktemp("tiny_qwen")))
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory) -> str:
+    """A 1-layer random Qwen2 model (`dspo.testing.build_toy_lm`), once per test module."""
+    from dspo.testing import build_toy_lm
+
+    return build_toy_lm(str(tmp_path_factory.mktemp("toy_lm")))

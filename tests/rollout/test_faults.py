@@ -22,21 +22,10 @@ from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
 from dspo.rollout.faults import FaultInjected, fault_point, parse_faults
 from dspo.rollout.transfer import PeerGone, SharedMemoryTransfer
-from dspo.rollout.worker import EngineProcess, EngineProcessDied, WorkerSpec
-from dspo.testing import build_toy_lm, recording_engine, scripted_agent, toy_items, toy_run
+from dspo.rollout.worker import EngineProcess, EngineProcessDied
+from dspo.testing import recording_engine, toy_items, toy_run, worker_spec
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory) -> str:
-    return build_toy_lm(str(tmp_path_factory.mktemp("toy_lm")))
-
-
-def _spec(max_staleness: int = 1, **changes) -> WorkerSpec:
-    algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
-    fields = dict(engine=recording_engine, agent=None, env=None, algorithm=algorithm, model=ModelConfig(path="unused"))
-    return WorkerSpec(**{**fields, "build_agent": scripted_agent, **changes}, seed=0, max_staleness=max_staleness)
 
 
 def _within(seconds: float, call):
@@ -191,7 +180,7 @@ def test_the_engine_process_may_start_child_processes():
     engine process could not ("daemonic processes are not allowed to have children")."""
     from dspo.testing import parent_agent
 
-    worker = EngineProcess(_spec(build_agent=parent_agent))
+    worker = EngineProcess(worker_spec(build_agent=parent_agent))
     try:
         worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
         worker.push_weights(None, 0, 0, (0, 1))
@@ -220,7 +209,7 @@ def test_user_plugins_registered_by_imports_exist_in_the_engine_process(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))  # the spawned process gets this sys.path
     importlib.import_module("my_filter_issue38")  # as dspo-train does in the trainer
     algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3, filter="keep_all_issue38")
-    worker = EngineProcess(_spec(algorithm=algorithm, imports=("my_filter_issue38",)))
+    worker = EngineProcess(worker_spec(algorithm=algorithm, imports=("my_filter_issue38",)))
     try:
         worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
         worker.push_weights(None, 0, 0, (0, 1))
@@ -235,7 +224,7 @@ def test_closing_with_unread_rounds_in_the_pipe_ends_the_engine_process_promptly
     (it waited 2 s for its queue's feeder and was killed, code -9)."""
     from dspo.testing import bulky_agent
 
-    worker = EngineProcess(_spec(max_staleness=2, build_agent=bulky_agent))
+    worker = EngineProcess(worker_spec(max_staleness=2, build_agent=bulky_agent))
     worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
     worker.push_weights(None, 0, 0, (0, 1))
     worker.take_round(0)
@@ -257,7 +246,7 @@ def test_the_environment_is_built_in_the_engine_process_from_its_config(tmp_path
     algorithm, model = AlgorithmConfig(), ModelConfig(path="unused")
     EnvironmentCallback(recording_engine, None, spec, algorithm, model, max_staleness=1)
     assert not built_in.exists()  # the trainer side keeps the config
-    worker = EngineProcess(_spec(env=spec))
+    worker = EngineProcess(worker_spec(env=spec))
     try:
         worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
         assert built_in.read_text().split() == [str(worker.pid)] and worker.credit == "trajectory"

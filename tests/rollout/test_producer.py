@@ -16,12 +16,7 @@ from dspo.rollout.agent import AgentConfig
 from dspo.rollout.producer import RoundProducer, RoundState
 from dspo.rollout.sides import EngineProcessSide, LocalEngine
 from dspo.rollout.worker import WorkerSpec
-from dspo.testing import RecordingEngine, build_toy_lm
-
-
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory) -> str:
-    return build_toy_lm(str(tmp_path_factory.mktemp("toy_lm")))
+from dspo.testing import RecordingEngine
 
 
 def _producer(engine=None, max_staleness: int = 0, **algorithm) -> RoundProducer:

@@ -19,28 +19,16 @@ from dspo.callbacks.environment_callback import EnvironmentCallback
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
 from dspo.rollout.placement import colocated_device, engine_devices_for, split_cores
-from dspo.rollout.worker import EngineProcess, EngineProcessDied, EngineProcessError, WorkerSpec, staleness_stats
+from dspo.rollout.worker import EngineProcess, EngineProcessDied, EngineProcessError, staleness_stats
 from dspo.testing import (
-    build_toy_lm,
     recording_engine,
     report_environment_agent,
-    scripted_agent,
     toy_items,
     toy_run,
     weights_echo_agent,
+    worker_spec,
 )
 from dspo.types import QAItem, RolloutGroup, Trajectory
-
-
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory) -> str:
-    return build_toy_lm(str(tmp_path_factory.mktemp("toy_lm")))
-
-
-def _spec(max_staleness: int = 1, **changes) -> WorkerSpec:
-    algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
-    fields = dict(engine=recording_engine, agent=None, env=None, algorithm=algorithm, model=ModelConfig(path="unused"))
-    return WorkerSpec(**{**fields, "build_agent": scripted_agent, **changes}, seed=0, max_staleness=max_staleness)
 
 
 # ------------------------------------------------------------------------------------------------- pure parts
@@ -96,7 +84,7 @@ def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
     memory, the default transport). Then the process is killed: the trainer's wait says so."""
     import json
 
-    worker = EngineProcess(_spec(max_staleness=1, build_agent=weights_echo_agent))
+    worker = EngineProcess(worker_spec(max_staleness=1, build_agent=weights_echo_agent))
     weights = [("w", torch.zeros(3))]
     try:
         worker.start(PromptSampler(toy_items(), seed=0), None, 0, weights)
@@ -145,7 +133,7 @@ def test_weights_reach_the_engine_process_exactly_over_a_gloo_group():
     reloading. A killed engine process ends the run with `EngineProcessDied`, whether the push or the wait notices."""
     import json
 
-    worker = EngineProcess(_spec(max_staleness=1, build_agent=weights_echo_agent, weight_transfer="gloo"))
+    worker = EngineProcess(worker_spec(max_staleness=1, build_agent=weights_echo_agent, weight_transfer="gloo"))
     initial = [("a", torch.zeros(3)), ("b", torch.zeros(2, 2, dtype=torch.float64))]
     trained = [("a", torch.tensor([0.5, 1.25, 2.0])), ("b", torch.full((2, 2), 0.1, dtype=torch.float64))]
 
@@ -300,7 +288,7 @@ def test_a_colocated_engine_process_sits_on_its_ranks_gpu():
 
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
 def test_the_engine_process_runs_on_its_devices_and_a_failed_start_brings_its_traceback():
-    worker = EngineProcess(_spec(visible_devices="7", build_agent=report_environment_agent))
+    worker = EngineProcess(worker_spec(visible_devices="7", build_agent=report_environment_agent))
     try:
         with pytest.raises(EngineProcessError, match="the engine to start") as error:
             worker.start(None, None, 0, [("w", torch.zeros(1))])
