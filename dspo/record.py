@@ -166,15 +166,19 @@ def _guard(trained: dict, sections: list[str], keys: list[str], source: str, imp
     """Check every section `adopt` would take from the record (`dspo.trust`), and drop its `trust_remote_code`."""
     from dspo.trust import check_targets, drop_remote_code
 
-    def overridden(key: str) -> bool:
-        return any(key == k or key.startswith(k + ".") for k in keys)
-
     lines = []
     for section in sections:
         if section == "eval.batch_size" or (section == "rollout.engine" and "rollout" in keys):
             continue
         if section not in ("rollout.agent", "rollout.engine") and _touched(keys, section):
             continue  # the command line's own section, not the record's
+        # the agent and engine are merged key by key: the record's keys are adopted except the top-level ones the
+        # command line sets (`_adopt_agent`), so only those are the user's (not `rollout.agent=...` as a whole)
+        users = [k for k in keys if k.startswith(section + ".") and k.count(".") == section.count(".") + 1]
+
+        def overridden(key: str, users: list[str] = users) -> bool:
+            return any(key == k or key.startswith(k + ".") for k in users)
+
         parent, _, name = section.rpartition(".")
         holder = trained.get(parent) if parent else trained
         if isinstance(holder, dict) and holder.get(name) is not None:

@@ -17,9 +17,11 @@ folder or a checkpoint brings along, since both are shared and downloaded:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,15 +73,23 @@ def _under(name: str, packages: Sequence[str]) -> bool:
     return any(name == package or name.startswith(package + ".") for package in packages)
 
 
+@functools.cache
+def conf_targets() -> frozenset[str]:
+    """Every `_target_` dspo's own conf/ names (the functions among them are the only dspo functions a record may
+    name: dspo has functions that write files or run commands, e.g. its test helpers)."""
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    return frozenset(t for path in conf.rglob("*.yaml") for t in re.findall(r"_target_:\s*([\w.]+)", path.read_text()))
+
+
 def allowed_target(target: Any, modules: Sequence[str] = ()) -> bool:
-    """Whether a record may name `target`: a class or function defined in dspo or in one of `modules` (found where
-    the name says: `dspo.record.os.system` is `os.system`, refused), or one of `THIRD_PARTY_TARGETS`."""
+    """Whether a record may name `target`: a class defined in dspo (outside its test helpers, `dspo.testing`), a
+    function only where dspo's own conf/ names it, one of `THIRD_PARTY_TARGETS`, or a class or function defined in
+    one of `modules` (the user's `imports=`). Names are resolved first: `dspo.record.os.system` is `os.system`."""
     if not isinstance(target, str):
         return False
     if target in THIRD_PARTY_TARGETS:
         return True
-    packages = (PACKAGE, *modules)
-    if not _under(target, packages):
+    if not _under(target, (PACKAGE, *modules)):
         return False
     from hydra.utils import get_object
 
@@ -88,7 +98,22 @@ def allowed_target(target: Any, modules: Sequence[str] = ()) -> bool:
     except Exception:  # noqa: BLE001  no such name: nothing can run, and Hydra names the target when it builds
         return True
     module = getattr(found, "__module__", None)
-    return (inspect.isclass(found) or inspect.isroutine(found)) and isinstance(module, str) and _under(module, packages)
+    if not isinstance(module, str) or not (inspect.isclass(found) or inspect.isroutine(found)):
+        return False
+    if _under(module, modules):
+        return True
+    if not _under(module, (PACKAGE,)) or _under(module, (f"{PACKAGE}.testing",)):
+        return False
+    return inspect.isclass(found) or target in conf_targets()
+
+
+# An interpolation a record may hold: a reference to another key, or `oc.select` of one with a literal default (what
+# dspo's conf/ writes). Any other resolver (`oc.create` builds nodes with targets, `oc.env` reads secrets) is refused.
+_SAFE_INTERPOLATION = re.compile(r"\$\{(?:[A-Za-z_][\w.]*|oc\.select:[A-Za-z_][\w.]*(?:,[^${}:]*)?)\}")
+
+
+def _unsafe_interpolation(value: Any) -> bool:
+    return isinstance(value, str) and "${" in _SAFE_INTERPOLATION.sub("", value)
 
 
 def _nodes(value: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -99,7 +124,7 @@ def _nodes(value: Any, path: str) -> Iterator[tuple[str, Any]]:
         yield key, node
         if isinstance(node, Mapping):
             stack.extend((f"{key}.{k}", v) for k, v in reversed(list(node.items())))
-        elif isinstance(node, list):
+        elif isinstance(node, (list, tuple)):  # a checkpoint's record may hold tuples (weights_only allows them)
             stack.extend((f"{key}.{i}", v) for i, v in reversed(list(enumerate(node))))
 
 
@@ -109,7 +134,15 @@ def check_targets(
     """Refuse a record section (`value`, at config key `path`) that names a target dspo does not ship, at any depth;
     keys the command line sets (`overridden`) are the user's and not checked."""
     for key, node in _nodes(value, path):
-        if not key.endswith("._target_") or overridden(key) or allowed_target(node, modules):
+        if overridden(key):
+            continue
+        if _unsafe_interpolation(node):
+            raise UntrustedRecordError(
+                f"{source}: {key}={node!r} calls a resolver, and a record is data, not code: nothing was built. A "
+                "record may refer to other keys (${a.b}, ${oc.select:a.b,default}) only; set "
+                f"{key}=... on the command line if you trust this model folder"
+            )
+        if not key.endswith("._target_") or allowed_target(node, modules):
             continue
         module = str(node).rsplit(".", 1)[0] if isinstance(node, str) and "." in node else "MODULE"
         raise UntrustedRecordError(

