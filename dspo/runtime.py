@@ -223,5 +223,6 @@ def _join_threads_as_the_interpreter_does() -> None:
     for hook in reversed(list(hooks)):
         hook()
     for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon and thread.is_alive():
-            thread.join()
+        if thread in (threading.current_thread(), threading.main_thread()) or thread.daemon or not thread.is_alive():
+            continue
+        thread.join()

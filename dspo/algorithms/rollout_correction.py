@@ -252,10 +252,13 @@ def effective_sample_size(seq_weights: torch.Tensor) -> torch.Tensor:
     weights are equal (or N = 0), 1/N when one sequence holds all the weight, 0 when every weight is 0."""
     if seq_weights.numel() == 0:
         return torch.ones((), dtype=seq_weights.dtype, device=seq_weights.device)
-    total, squares = seq_weights.sum(), seq_weights.square().sum()
-    if squares == 0:
+    # scale-free: divided by the largest weight in float64 (product weights e^-60 would square to 0 in float32)
+    wide = seq_weights.double()
+    largest = wide.max()
+    if largest <= 0:
         return torch.zeros((), dtype=seq_weights.dtype, device=seq_weights.device)
-    return total.square() / (seq_weights.numel() * squares)
+    scaled = wide / largest
+    return (scaled.sum().square() / (scaled.numel() * scaled.square().sum())).to(seq_weights.dtype)
 
 
 def staleness_notice(mode: str, max_staleness: int) -> tuple[int, str] | None:

@@ -144,7 +144,7 @@ class EnvironmentCallback(pl.Callback):
         self.producer.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.producer.rewind()  # before dspo-train writes failure.ckpt: the prompts of an untrained round are kept
+        self.producer.rewind(trainer.global_step)  # before dspo-train writes failure.ckpt: an untrained round's prompts
         self.producer.close()
 
     def _write_timeline(self, trainer: pl.Trainer, entry: dict) -> None:

@@ -11,7 +11,8 @@ at the worst moment, or make one rank of several fail alone, without patching th
     trainer.push             trainer, before it sends a push
     trainer.take             trainer, before it takes a round
 
-RANK: only the process whose global rank (the `RANK` environment variable, inherited by an engine process) is RANK;
+RANK: only the process whose rank (`RANK`, else `LOCAL_RANK`: Lightning's own launcher sets only the latter; an
+engine process inherits its trainer's) is RANK;
 HIT: the HIT-th time the point is reached (default 1); ACTION: `kill` (SIGKILL itself: no handler, no cleanup, as the
 out-of-memory killer does; default) or `raise` (`FaultInjected`). Unset, every point is one dictionary lookup.
 """
@@ -71,7 +72,7 @@ def fault_point(point: str) -> None:
     if not text:
         return
     _hits[point] = _hits.get(point, 0) + 1
-    rank = int(os.environ.get("RANK", "0") or 0)
+    rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)  # Lightning's launcher sets LOCAL_RANK
     for fault in parse_faults(text):
         if fault.point == point and fault.rank in (None, rank) and fault.hit == _hits[point]:
             if fault.action == "raise":

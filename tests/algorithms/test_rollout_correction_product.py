@@ -159,3 +159,13 @@ def test_geometric_mean_modes_get_a_softer_note_at_k_ge_1(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["seq_prod_tis", "seq_prod_mis", "token_tis", "token_mis"])
 def test_importance_weight_modes_say_nothing(mode: str) -> None:
     assert staleness_notice(mode, 0) is None and staleness_notice(mode, 3) is None
+
+
+def test_the_effective_sample_size_does_not_depend_on_the_weights_scale():
+    """Equal product weights of e^-60 (their squares underflow in float32) are as effective as equal weights of 1."""
+    from dspo.algorithms.rollout_correction import effective_sample_size
+
+    tiny = torch.full((4,), math.exp(-60.0), dtype=torch.float32)
+    assert float(effective_sample_size(tiny)) == pytest.approx(1.0)
+    uneven = torch.tensor([1.0, 0.0, 0.0, 0.0]) * math.exp(-60.0)
+    assert float(effective_sample_size(uneven)) == pytest.approx(0.25)

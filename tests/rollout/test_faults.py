@@ -68,6 +68,11 @@ def test_fault_specs_name_a_point_a_rank_a_hit_and_an_action(monkeypatch):
         fault_point("trainer.take")
     monkeypatch.setenv("RANK", "0")
     fault_point("trainer.take")  # another rank: nothing
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # Lightning's own DDP launcher sets only LOCAL_RANK
+    monkeypatch.setenv("DSPO_FAULT", "trainer.push@1=raise")
+    with pytest.raises(FaultInjected, match="trainer.push on rank 1"):
+        fault_point("trainer.push")
 
 
 # ------------------------------------------------------------------------------------------------- point 2
@@ -171,6 +176,37 @@ def test_an_engine_process_orphaned_mid_generation_exits_at_once_and_leaves_no_s
         trainer.kill()
         with contextlib.suppress(ProcessLookupError, NameError):
             os.kill(engine_pid, signal.SIGKILL)
+
+
+LEFT_OPEN = """
+import sys, torch
+from dspo.data.datamodule import PromptSampler
+from dspo.rollout.worker import EngineProcess
+from dspo.testing import toy_items, worker_spec
+
+if __name__ == "__main__":
+    worker = EngineProcess(worker_spec())
+    worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
+    worker.push_weights(None, 0, 0, (0, 1))
+    worker.take_round(0)
+    print(worker.pid, flush=True)
+    sys.exit(0)  # no close(): a script or notebook that drove the engine process itself
+"""
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_a_trainer_that_exits_without_closing_its_engine_process_still_exits(tmp_path):
+    """The engine process is not daemonic: multiprocessing's exit hook would join it for ever (it waits for its
+    trainer, which is alive and waiting in that join). dspo's own exit hook ends it first."""
+    script = tmp_path / "left_open.py"
+    script.write_text(LEFT_OPEN)
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        engine_pid = int(trainer.stdout.readline())
+        assert trainer.wait(timeout=30) == 0
+        assert not _running(engine_pid)
+    finally:
+        trainer.kill()
 
 
 # ------------------------------------------------------------------------------------------------- points 3, 5, 7, 9

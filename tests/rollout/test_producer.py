@@ -35,7 +35,7 @@ def test_the_version_guard_stops_a_round_sampled_from_stale_weights():
     producer.attach(LocalEngine(RecordingEngine(version=5), None, None))
     producer.state.completed = 3
     producer.state.engine_version = 2  # the push below is skipped, as the bug the guard is for would skip it
-    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), datamodule=None)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), datamodule=None, global_step=0)
     with pytest.raises(RuntimeError) as stale:
         producer._start_round(trainer, SimpleNamespace(weights_version=2))
     assert str(stale.value) == (
@@ -143,3 +143,22 @@ def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_r
     assert ahead.keep_rate_estimate == 0.5
     ahead.close()  # nothing started: nothing to stop
     assert ahead.state.engine_version == 0
+
+
+def test_a_failure_rewinds_only_a_round_whose_optimizer_step_has_not_run():
+    """Issue 38 (6): the sampler goes back to the round's start when nothing of the round was trained; once the
+    optimizer stepped (global_step moved), a failure in a later hook of that step leaves it where it is."""
+    from dspo.data.datamodule import PromptSampler
+    from dspo.testing import toy_items
+
+    producer = _producer()
+    producer.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.5)))
+    sampler = PromptSampler(toy_items(), seed=0)
+    start = sampler.state_dict()
+    for global_step, rewound in ((4, True), (5, False)):
+        sampler.load_state_dict(start)
+        producer._round_start = (4, sampler, sampler.state_dict(), 0.5)
+        sampler.take(3)  # the round drew its prompts
+        producer.rewind(global_step)
+        assert (sampler.state_dict() == start) is rewound, global_step
+        assert producer._round_start is None
