@@ -330,11 +330,12 @@ EXIT_DEADLINE_S = 30  # from a command's last line to its exit (measured: ~1-2 s
 
 
 def run_to_exit(
-    cmd: list[str], env: dict, timeout: float, finished: str, cwd: str | Path | None = None
+    cmd: list[str], env: dict, timeout: float, finished: str, cwd: str | Path | None = None, finishes: int = 1
 ) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True)` under two deadlines: `timeout` for the whole command, and
-    EXIT_DEADLINE_S from the stdout line containing `finished` to the process's exit (a finished run that never
-    exits, e.g. an executor joined before it was shut down, fails here instead of holding a job until walltime)."""
+    EXIT_DEADLINE_S from the `finishes`-th stdout line containing `finished` (a multirun prints one per run) to the
+    process's exit: a finished run that never exits, e.g. an executor joined before it was shut down, fails here
+    instead of holding a job until walltime."""
     import threading
     import time
 
@@ -353,7 +354,7 @@ def run_to_exit(
         reader.start()
     started = time.time()
     while process.poll() is None:
-        late = finished_at and time.time() - finished_at[0] > EXIT_DEADLINE_S
+        late = len(finished_at) >= finishes and time.time() - finished_at[finishes - 1] > EXIT_DEADLINE_S
         if late or time.time() - started > timeout:
             process.kill()
             process.wait()

@@ -77,10 +77,10 @@ def toy_cache(tmp_path_factory) -> Path:
 def run_train(toy_cache: Path) -> Callable[..., subprocess.CompletedProcess]:
     """`run_train(args, outputs)`: `python -m dspo.train ARGS` on the toy cache, as a user starts it; asserts exit 0."""
 
-    def run(args: list[str], outputs: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    def run(args: list[str], outputs: Path, timeout: int = 900, finishes: int = 1) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "dspo.train", *args]
         # and it exits promptly once finished (issue 38, point 10: a finished DDP run never exited)
-        result = run_to_exit(cmd, train_env(toy_cache, outputs), timeout, finished="dspo-train finished", cwd=REPO)
+        result = run_to_exit(cmd, train_env(toy_cache, outputs), timeout, finished="dspo-train finished", cwd=REPO, finishes=finishes)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         return result
 

@@ -178,7 +178,7 @@ def test_multirun_sweep_one_round_ahead_and_notebook(toy_cache, run_train, short
     process prints nothing the console filters would hide in the trainer. Then the notebook plots the sweep."""
     outputs = tmp_path / "outputs"
     args = ["-m", "algorithm=dspo,gspo", *short_default, "trainer.max_steps=4", "run_test=false"]
-    result = run_train([*args, "rollout.max_staleness=1"], outputs, timeout=1200)
+    result = run_train([*args, "rollout.max_staleness=1"], outputs, timeout=1200, finishes=2)  # one line per run
     assert not _unexpected_warnings(result.stdout + result.stderr), _unexpected_warnings(result.stdout + result.stderr)
     (sweep,) = list((outputs / "multirun").iterdir())
     runs = find_runs(sweep)
