@@ -80,7 +80,8 @@ def run_train(toy_cache: Path) -> Callable[..., subprocess.CompletedProcess]:
     def run(args: list[str], outputs: Path, timeout: int = 900, finishes: int = 1) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "dspo.train", *args]
         # and it exits promptly once finished (issue 38, point 10: a finished DDP run never exited)
-        result = run_to_exit(cmd, train_env(toy_cache, outputs), timeout, finished="dspo-train finished", cwd=REPO, finishes=finishes)
+        env, marker = train_env(toy_cache, outputs), "dspo-train finished"
+        result = run_to_exit(cmd, env, timeout, finished=marker, cwd=REPO, finishes=finishes)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         return result
 
