@@ -119,3 +119,21 @@ def test_remote_retriever_takes_one_url_or_a_list_of_replicas(tmp_path):
     assert instantiate(_compose("train", ["retriever=remote", f"output_dir={tmp_path}"]).retriever).urls == (
         "http://127.0.0.1:8000/retrieve",
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mode"),
+    [
+        ([], "seq_tis"),  # k = 0: the geometric mean, DSPO's own unit (numerics only: weights 1 within 1e-6)
+        (["rollout.max_staleness=1"], "seq_prod_tis"),  # stale rounds: the truncated importance weight
+        (["rollout.max_staleness=2", "algorithm=gspo"], "seq_prod_tis"),
+        (["rollout.max_staleness=1", "algorithm=dapo"], "token_tis"),  # token objectives: per-token weights
+        (["rollout.max_staleness=1", "algorithm.rollout_correction.mode=seq_tis"], "seq_tis"),  # the user's choice
+    ],
+)
+def test_the_default_rollout_correction_follows_the_staleness(overrides, mode):
+    """Issue 38 (1): chosen with bench/correction.py (docs/training.md, "What the objective then estimates")."""
+    from dspo.testing import compose_config
+
+    cfg = compose_config("train", ["output_dir=/tmp/run", *overrides])
+    assert cfg.algorithm.rollout_correction.mode == mode
