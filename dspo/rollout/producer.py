@@ -70,7 +70,8 @@ class RoundProducer:
         self.tokenizer = None
         self.sampler = None  # the DataModule's PromptSampler (None when only evaluating)
         self.timeline: dict | None = None  # the round in progress: when it was waited for, generated, taken
-        self._round_start: tuple | None = None  # (sampler, its state, keep-rate prior) before the round in progress
+        # (global step, sampler, its state, keep-rate prior) at the start of the round in progress
+        self._round_start: tuple | None = None
 
     @property
     def max_staleness(self) -> int:
@@ -117,11 +118,8 @@ class RoundProducer:
         sampler = self.sampler if self.sampler is not None else getattr(trainer.datamodule, "sampler", None)
         start = sampler.state_dict() if sampler is not None else None
         self._round_start = (trainer.global_step, sampler, start, self.keep_rate_estimate)
-        try:
-            groups, stats, generation = self.side.generate(trainer, pl_module, state, sampler, self.spec.seed)
-        except BaseException:
-            self.rewind(trainer.global_step)  # the failure checkpoint must say where round r's prompts start
-            raise
+        # a failure from here to the round's first optimizer step rewinds to this (`rewind`, from on_exception)
+        groups, stats, generation = self.side.generate(trainer, pl_module, state, sampler, self.spec.seed)
         self.timeline = {"round": round_index, "waiting": waiting, "generation": generation, "taken": time.time()}
         state.current = build_round(
             groups,
