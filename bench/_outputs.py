@@ -31,3 +31,30 @@ def output_path(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
     if args.update_shipped:
         return SHIPPED_DIR / name
     return Path(given) if given is not None else DEFAULT_DIR / name
+
+
+def provenance() -> dict:
+    """What a measurement was taken on: the commit, whether the source differed from it (bench/results/ and outputs/
+    aside: a re-measurement writes there), when, and the machine's load just before (a busy machine skews timings).
+    The cited-numbers test (tests/bench/test_cited_numbers.py) refuses a quoted figure whose file lacks this."""
+    import datetime
+    import os
+    import subprocess
+
+    root = SHIPPED_DIR.parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    changed = git("status", "--porcelain", "--", ".", ":(exclude)bench/results", ":(exclude)outputs")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "source_changed": None if changed is None else bool(changed),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "load_average_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+    }

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
-from _outputs import add_output_arguments, output_path
+from _outputs import add_output_arguments, output_path, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = [
@@ -215,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="dspo-async-"))
-    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "workloads": {}}
+    results: dict = {"measured": provenance(), "args": {k: str(v) for k, v in vars(args).items()}, "workloads": {}}
     for name in args.workloads:
         print(f"{name}:", flush=True)
         overrides, spr = toy_overrides(args.rounds) if name == "toy" else qwen_overrides(args.rounds, work)

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from _outputs import provenance  # bench/ is on sys.path when this script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -178,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out.with_name("correction_smoke.json")
     root = args.root.resolve()
     runs: list[dict] = []
-    payload: dict = {"steps": args.steps, "seeds": args.seeds, "extra_overrides": extra, "root": str(root)}
+    payload: dict = {
+        "measured": provenance(),
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "extra_overrides": extra,
+        "root": str(root),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for mode, k in grid(args.staleness):
         for seed in args.seeds:

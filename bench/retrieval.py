@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
-from _outputs import add_output_arguments, output_path
+from _outputs import add_output_arguments, output_path, provenance
 
 REPO = Path(__file__).resolve().parents[1]
 HOTPOTQA = REPO / "data" / "hotpotqa_dev500"  # carried by the repository (data/README.md)
@@ -391,9 +391,12 @@ def main() -> None:
         return
     report: dict = {"cpu_count": os.cpu_count()}
     if args.mode in ("index", "all"):
+        measured = provenance()
         report["index"] = index_mode(args)
+        report["index_measured"] = measured
     if args.mode in ("server", "all"):
-        report["server"] = server_mode(args)
+        measured = provenance()
+        report["server"] = {"measured": measured, **server_mode(args)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
     args.out.write_text(json.dumps({**previous, **report}, indent=2) + "\n")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
-from _outputs import add_output_arguments, output_path
+from _outputs import add_output_arguments, output_path, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"  # carried by the repository (data/README.md)
@@ -112,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    measured = provenance()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
 
@@ -137,7 +138,11 @@ def main() -> None:
     engine = VLLMEngine(path, dtype="float32", max_model_len=4096, kv_cache_space_gb=1)
     results["vllm"] = run(engine, tokenizer, retriever, items, agent, args, "vllm")
     print_table(results)
-    record = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **results}
+    record = {
+        "measured": measured,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **results,
+    }
     if "hf" in results:
         record["vllm_over_hf_tokens_per_s"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         record["goal_met"] = record["vllm_over_hf_tokens_per_s"] >= GOAL

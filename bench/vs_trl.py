@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
-from _outputs import add_output_arguments, output_path
+from _outputs import add_output_arguments, output_path, provenance
 from _trl_env import ensure_trl_venv, probe_trl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +321,7 @@ def print_phases(phases: dict[str, float]) -> None:
         print(f"  {key:12} {value:7.3f} s {value / step:6.1%}  {label}")
 
 
-def profile(args: argparse.Namespace, work: Path, model: str) -> None:
+def profile(args: argparse.Namespace, work: Path, model: str, measured: dict) -> None:
     """One dspo child (filter off) under torch.profiler: its phase times and the top operators by self CPU time."""
     spec = {**dspo_spec(args, work, model, False, args.seed), "profile": True, "profile_rows": 25}
     result = run_child(sys.executable, "_dspo_side.py", spec, work, "profile", args.child_timeout_s)
@@ -340,7 +340,7 @@ def profile(args: argparse.Namespace, work: Path, model: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     from _dspo_side import PHASES
 
-    record = {"config": vars_json(args), "phases": phases, "phase_seams": PHASES, **result}
+    record = {"measured": measured, "config": vars_json(args), "phases": phases, "phase_seams": PHASES, **result}
     out.write_text(json.dumps(finite(record), indent=1) + "\n")
     print(f"\nwrote {out}")
     require_measured("vs_trl", {"profile.phases": phases, "profile.top_ops": result.get("top_ops")})
@@ -401,13 +401,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    measured = provenance()
     b, g = args.prompts, args.group_size
     load_before, t0 = os.getloadavg(), time.perf_counter()
     if args.profile:
         work = Path(tempfile.mkdtemp(prefix="dspo_bench_profile_"))
         model, rows, _ = resolve_workload(args, work)
         prepare_work(work, rows)
-        profile(args, work, model)
+        profile(args, work, model, measured)
         shutil.rmtree(work, ignore_errors=True)
         return
 
@@ -444,7 +445,7 @@ def main() -> None:
     env = {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
     env.update({k: v for k, v in (trl_info or {}).items() if not k.endswith("_file")})
     config = vars_json(args)
-    record = {"config": config, "environment": env, **report, "summary": summary, "runs": runs}
+    record = {"measured": measured, "config": config, "environment": env, **report, "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(finite(record), indent=1) + "\n")
     print(f"\nwrote {args.out}" + (f"; child logs in {work}" if args.keep_work else ""))
