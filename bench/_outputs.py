@@ -34,9 +34,11 @@ def output_path(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
 
 
 def provenance() -> dict:
-    """What a measurement was taken on: the commit, whether the source differed from it (bench/results/ and outputs/
-    aside: a re-measurement writes there), when, and the machine's load just before (a busy machine skews timings).
-    The cited-numbers test (tests/bench/test_cited_numbers.py) refuses a quoted figure whose file lacks this."""
+    """What a measurement was taken on: the commit, the files that differed from it (bench/results/ and outputs/ aside:
+    a re-measurement writes there) and whether any of them is source (documentation, *.md, does not count), when, and
+    the machine's load just before (a busy machine skews timings). The cited-numbers test
+    (tests/bench/test_cited_numbers.py) refuses a quoted figure whose file lacks this or was measured on changed
+    source."""
     import datetime
     import os
     import subprocess
@@ -48,12 +50,14 @@ def provenance() -> dict:
             done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        return done.stdout.strip() if done.returncode == 0 else None
+        return done.stdout if done.returncode == 0 else None
 
-    changed = git("status", "--porcelain", "--", ".", ":(exclude)bench/results", ":(exclude)outputs")
+    status = git("status", "--porcelain", "--", ".", ":(exclude)bench/results", ":(exclude)outputs")
+    changed = None if status is None else [line[3:] for line in status.splitlines() if line.strip()]
     return {
-        "commit": git("rev-parse", "HEAD"),
-        "source_changed": None if changed is None else bool(changed),
+        "commit": (git("rev-parse", "HEAD") or "").strip() or None,
+        "changed_paths": changed,
+        "source_changed": None if changed is None else any(not path.endswith(".md") for path in changed),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "load_average_1m": os.getloadavg()[0],
         "cpus": os.cpu_count(),

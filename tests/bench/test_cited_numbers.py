@@ -1,12 +1,13 @@
-"""Each number the README's benchmark table and bench/README.md cite is in a results file of the current format under
-bench/results/, to the cited rounding. A figure measured by code that no longer runs (vs_trl before the
-objective-records refactor: its phases were timed at seams that moved) is an expected failure until re-measured on HEAD
-(issue 40)."""
+"""Each number the README, bench/README.md and the docs cite from a benchmark is in a results file under bench/results/,
+to the cited rounding, and every performance results file says what it was measured on (`bench/_outputs.py`
+`provenance`: a commit of this history, the source unchanged from it); issue 40. Learning results (environments,
+ablation, correction, async_learning) come from long training sweeps and are checked for the numbers only."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,80 +16,151 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
-REMEASURE = pytest.mark.xfail(strict=True, reason="re-measure on HEAD: issue 40")
+
+# results file -> where its provenance stamps are (a retrieval file keeps one per mode)
+STAMPS: dict[str, Callable[[dict], list[dict]]] = {
+    "retrieval.json": lambda d: [d.get("index_measured"), d.get("server", {}).get("measured")],
+    **{
+        name: lambda d: [d.get("measured")]
+        for name in (
+            "rollout.json",
+            "rollout_random_vocab151k.json",
+            "train_step.json",
+            "train_step_h512.json",
+            "train_step_qwen.json",
+            "async.json",
+            "async_transfer.json",
+            "vs_trl.json",
+            "profile_dspo_step.json",
+        )
+    },
+}
 
 
-def qps(data: dict, corpus: str, backend: str) -> float:
-    return next(r["qps"] for r in data["index"] if r["corpus"] == corpus and r["backend"] == backend)
+def data(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def qps(d: dict, corpus: str, backend: str) -> float:
+    return next(r["qps"] for r in d["index"] if r["corpus"] == corpus and r["backend"] == backend)
 
 
 def step(layout: str, key: str, scale: float = 1.0) -> Callable[[dict], float]:
     return lambda d: scale * d["summary"][layout][key]
 
 
-def current_vs_trl(data: dict) -> bool:
-    """Measured by today's bench/_dspo_side.py: the JSON names the seams its phases were timed at."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        from _dspo_side import PHASES
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return data.get("phase_seams") == PHASES
+def run(workload: str, run_key: str, key: str = "round_s") -> Callable[[dict], float]:
+    return lambda d: d["workloads"][workload][run_key][key]
 
 
-# (document, the cited text, the number in it, results file, the figure in the cited unit, is the file current?)
-Cited = tuple[str, str, str, str, Callable[[dict], float], Callable[[dict], bool] | None]
-CITED: list[Cited | pytest.param] = [
-    ("README.md", "185x queries/s", "185", "retrieval.json",
-     lambda d: qps(d, "shared", "bm25s") / qps(d, "shared", "rank_bm25"), None),
-    ("README.md", "0 errors in 21,803 requests", "21803", "retrieval.json", lambda d: d["server"]["requests"], None),
-    ("README.md", "0 errors in 21,803", "0", "retrieval.json", lambda d: d["server"]["errors"], None),
-    ("README.md", "p50 354 ms", "354", "retrieval.json", lambda d: d["server"]["p50_ms"], None),
-    ("README.md", "p99 3.5 s", "3.5", "retrieval.json", lambda d: d["server"]["p99_ms"] / 1000, None),
-    ("bench/README.md", "| 9,357 | 0.736 |", "9357", "retrieval.json", lambda d: qps(d, "shared", "bm25s"), None),
-    ("bench/README.md", "| 50.5 | 0.736 |", "50.5", "retrieval.json", lambda d: qps(d, "shared", "rank_bm25"), None),
-    ("README.md", "2.8x tokens/s on the toy model", "2.8", "rollout.json",
-     lambda d: d["vllm_over_hf_tokens_per_s"], None),
-    ("bench/README.md", "| HF | 6,141 | 1,694 |", "1694", "rollout.json", lambda d: d["hf"]["tokens_per_s"], None),
-    ("bench/README.md", "| vLLM | 6,306 | 4,808", "4808", "rollout.json", lambda d: d["vllm"]["tokens_per_s"], None),
-    ("README.md", "10.3x with Qwen2.5's 151k vocabulary", "10.3", "rollout_random_vocab151k.json",
-     lambda d: d["vllm_over_hf_tokens_per_s"], None),
-    ("README.md", "0.40 (toy)", "0.40", "train_step.json", lambda d: d["efficiency"], None),
-    ("README.md", "0.70 (hidden 512)", "0.70", "train_step_h512.json", lambda d: d["efficiency"], None),
-    ("README.md", "8.1 % padding", "8.1", "train_step.json", step("bucketed", "padding_share", 100), None),
-    ("README.md", "(20 % shuffled)", "20", "train_step.json", step("random", "padding_share", 100), None),
-    ("bench/README.md", "| 1.75 s | 8,982 |", "1.75", "train_step.json", step("bucketed", "seconds"), None),
-    ("README.md", "1.22x the synchronous round", "1.22", "async.json", lambda d: d["ratio"], None),
-    ("bench/README.md", "`sync_step_s` 1.20", "1.20", "async.json", lambda d: d["sync_step_s"], None),
-    ("bench/README.md", "`async_step_s` 1.46", "1.46", "async.json", lambda d: d["async_step_s"], None),
-    ("bench/README.md", "`bound_step_s` 1.55", "1.55", "async.json", lambda d: d["bound_step_s"], None),
-    *(
-        pytest.param(*entry, marks=REMEASURE, id=f"vs_trl: {entry[1]}")
-        for entry in [
-            ("README.md", "0.083x TRL's step time", "0.083", "vs_trl.json", lambda d: d["ratio"], current_vs_trl),
-            ("README.md", "2.38 s vs 28.63 s", "2.38", "vs_trl.json", lambda d: d["dspo_step_s"], current_vs_trl),
-            ("README.md", "2.38 s vs 28.63 s", "28.63", "vs_trl.json", lambda d: d["trl_step_s"], current_vs_trl),
-            ("bench/README.md", "**Filter cost: 1.65x**", "1.65", "vs_trl.json", lambda d: d["filter_cost"],
-             current_vs_trl),
-            ("bench/README.md", "| 1.050 | 0.891 |", "0.891", "profile_dspo_step.json",
-             lambda d: d["phases"]["forward_s"], current_vs_trl),
-            ("bench/README.md", "| 1.045 | 0.576 |", "0.576", "profile_dspo_step.json",
-             lambda d: d["phases"]["backward_s"], current_vs_trl),
-        ]
-    ),
+def correction(mode: str, k: int, key: str) -> Callable[[dict], float]:
+    return lambda d: next(r[key] for r in d["summary"] if r["mode"] == mode and r["k"] == k)
+
+
+# (document, the cited text, the number in it, results file, the figure in the cited unit)
+Cited = tuple[str, str, str, str, Callable[[dict], float]]
+CITED: list[Cited] = [
+    ("README.md", "202x queries/s", "202", "retrieval.json",
+     lambda d: qps(d, "shared", "bm25s") / qps(d, "shared", "rank_bm25")),
+    ("README.md", "0 errors in 28,987 requests", "28987", "retrieval.json", lambda d: d["server"]["requests"]),
+    ("README.md", "0 errors in 28,987", "0", "retrieval.json", lambda d: d["server"]["errors"]),
+    ("README.md", "p50 173 ms", "173", "retrieval.json", lambda d: d["server"]["p50_ms"]),
+    ("README.md", "p99 8.6 s", "8.6", "retrieval.json", lambda d: d["server"]["p99_ms"] / 1000),
+    ("bench/README.md", "| 27,634 | 0.736 |", "27634", "retrieval.json", lambda d: qps(d, "shared", "bm25s")),
+    ("bench/README.md", "| 136.6 | 0.736 |", "136.6", "retrieval.json", lambda d: qps(d, "shared", "rank_bm25")),
+    ("bench/README.md", "| 38.9 s | 2.6 GiB | 595 |", "595", "retrieval.json", lambda d: qps(d, "synthetic", "bm25s")),
+    ("docs/search.md", "| 0.2 s | 77 MiB | 27,634 |", "27634", "retrieval.json", lambda d: qps(d, "shared", "bm25s")),
+    ("README.md", "4.0x tokens/s on the toy model", "4.0", "rollout.json", lambda d: d["vllm_over_hf_tokens_per_s"]),
+    ("bench/README.md", "| HF | 6,291 | 2,023 |", "2023", "rollout.json", lambda d: d["hf"]["tokens_per_s"]),
+    ("bench/README.md", "| vLLM | 6,015 | 8,046", "8046", "rollout.json", lambda d: d["vllm"]["tokens_per_s"]),
+    ("README.md", "11.2x with Qwen2.5's 151k vocabulary", "11.2", "rollout_random_vocab151k.json",
+     lambda d: d["vllm_over_hf_tokens_per_s"]),
+    ("bench/README.md", "| HF | 11,489 | 103.5 |", "103.5", "rollout_random_vocab151k.json",
+     lambda d: d["hf"]["tokens_per_s"]),
+    ("README.md", "0.57 (toy)", "0.57", "train_step.json", lambda d: d["efficiency"]),
+    ("README.md", "0.73 (hidden 512)", "0.73", "train_step_h512.json", lambda d: d["efficiency"]),
+    ("README.md", "(0.47 / 0.68 without)", "0.47", "train_step.json", step("bucketed", "efficiency_matmuls_only")),
+    ("README.md", "(0.47 / 0.68 without)", "0.68", "train_step_h512.json", step("bucketed", "efficiency_matmuls_only")),
+    ("README.md", "9.8 % padding", "9.8", "train_step.json", step("bucketed", "padding_share", 100)),
+    ("README.md", "(21 % shuffled)", "21", "train_step.json", step("random", "padding_share", 100)),
+    ("bench/README.md", "| 1.25 s | 12,507 |", "1.25", "train_step.json", step("bucketed", "seconds")),
+    ("bench/README.md", "| 7.67 s | 2,036 |", "7.67", "train_step_h512.json", step("bucketed", "seconds")),
+    ("bench/README.md", "| 3.91 s | 3,992 |", "3.91", "train_step_qwen.json", step("bucketed", "seconds")),
+    ("README.md", "0.074x TRL's step time", "0.074", "vs_trl.json", lambda d: d["ratio"]),
+    ("README.md", "2.20 s vs 29.60 s", "2.20", "vs_trl.json", lambda d: d["dspo_step_s"]),
+    ("README.md", "2.20 s vs 29.60 s", "29.60", "vs_trl.json", lambda d: d["trl_step_s"]),
+    ("bench/README.md", "**Filter cost: 1.33x**", "1.33", "vs_trl.json", lambda d: d["filter_cost"]),
+    ("bench/README.md", "| 0.891 | 0.990 |", "0.990", "profile_dspo_step.json", lambda d: d["phases"]["forward_s"]),
+    ("bench/README.md", "| 0.576 | 0.425 |", "0.425", "profile_dspo_step.json", lambda d: d["phases"]["backward_s"]),
+    ("README.md", "1.27x the synchronous round", "1.27", "async.json", lambda d: d["ratio"]),
+    ("README.md", "0.98 of its bound on the toy", "0.98", "async.json", lambda d: d["vs_bound"]),
+    ("README.md", "(1.21 on the 151k model)", "1.21", "async.json",
+     lambda d: run("qwen", "k1")(d) / d["workloads"]["qwen"]["alone"]["bound_round_s"]),
+    ("bench/README.md", "`sync_step_s` 0.97", "0.97", "async.json", lambda d: d["sync_step_s"]),
+    ("bench/README.md", "`async_step_s` 1.24", "1.24", "async.json", lambda d: d["async_step_s"]),
+    ("bench/README.md", "`bound_step_s` 1.26", "1.26", "async.json", lambda d: d["bound_step_s"]),
+    ("docs/training.md", "| 1.95 s | 2.48 / 2.02 s |", "1.95", "async.json", run("toy", "k0")),
+    ("docs/training.md", "| 1.95 s | 2.48 / 2.02 s |", "2.48", "async.json", run("toy", "k1")),
+    ("docs/training.md", "| 2.39 s | 2.56 / 3.04 s |", "2.56", "async.json", run("qwen", "k1")),
+    ("docs/scaling.md", "0.54 s of generation and 1.41 s of the rest", "0.54", "async.json",
+     run("toy", "k0", "trainer_idle_s_per_round")),
+    ("docs/scaling.md", "0.54 s of generation and 1.41 s of the rest", "1.41", "async.json",
+     run("toy", "k0", "engine_idle_s_per_round")),
+    ("docs/scaling.md", "gave 2.51 vs 2.59 s a round", "2.51", "async_transfer.json", run("toy", "k1")),
+    ("docs/scaling.md", "gave 2.51 vs 2.59 s a round", "2.59", "async_transfer.json", run("toy", "k1_gloo")),
+    ("README.md", "effective sample size of 0.91 / 0.82", "0.91", "correction.json",
+     correction("seq_prod_tis", 1, "mismatch/ess")),
+    ("README.md", "effective sample size of 0.91 / 0.82", "0.82", "correction.json",
+     correction("seq_prod_tis", 2, "mismatch/ess")),
 ]  # fmt: skip
 
 
-def _id(entry) -> str:
-    return entry.id if hasattr(entry, "id") and isinstance(entry.id, str) else f"{entry[3]}: {entry[1]}"
-
-
-@pytest.mark.parametrize(("doc", "text", "number", "results", "figure", "current"), CITED, ids=map(_id, CITED))
-def test_cited_number_is_in_a_current_results_file(doc, text, number, results, figure, current) -> None:
+@pytest.mark.parametrize(("doc", "text", "number", "results", "figure"), CITED, ids=[f"{c[0]}: {c[1]}" for c in CITED])
+def test_cited_number_is_in_its_results_file(doc, text, number, results, figure) -> None:
     flat = lambda s: re.sub(r"\s+", " ", s)  # noqa: E731  the docs wrap lines
     assert flat(text) in flat((REPO / doc).read_text()), f"{doc} no longer cites {text!r}: update this test"
-    data = json.loads((RESULTS / results).read_text())
-    assert current is None or current(data), f"bench/results/{results} was not measured by today's script"
     decimals = len(number.partition(".")[2])
-    value = figure(data)
+    value = figure(data(results))
     assert abs(value - float(number)) <= 0.5 * 10**-decimals + 1e-9, f"{doc} cites {number}, {results} has {value}"
+
+
+def test_every_cited_performance_file_is_stamped() -> None:
+    cited = {c[3] for c in CITED} - {"correction.json"}
+    assert cited <= set(STAMPS), f"performance results cited but not stamped: {sorted(cited - set(STAMPS))}"
+
+
+def _git(*args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("results", sorted(STAMPS))
+def test_performance_results_say_what_they_were_measured_on(results: str) -> None:
+    stamps = STAMPS[results](data(results))
+    assert stamps and all(stamps), f"bench/results/{results} has no `measured` stamp: re-measure it (bench/README.md)"
+    for stamp in stamps:
+        commit = stamp.get("commit")
+        assert commit and re.fullmatch(r"[0-9a-f]{40}", commit), f"{results}: no commit in {stamp}"
+        assert stamp.get("source_changed") is False, f"{results} was measured on source that differed from {commit}"
+        known = _git("cat-file", "-e", f"{commit}^{{commit}}")
+        if known is None or known.returncode:  # no git, or a shallow clone without that commit
+            continue
+        ancestor = _git("merge-base", "--is-ancestor", commit, "HEAD")
+        assert ancestor.returncode == 0, f"{results}: commit {commit[:12]} is not in this branch's history"
+
+
+def test_provenance_names_the_commit_and_counts_documentation_as_no_source_change() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from _outputs import provenance
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    stamp = provenance()
+    head = _git("rev-parse", "HEAD")
+    if head is None or head.returncode:
+        pytest.skip("not a git checkout")
+    assert stamp["commit"] == head.stdout.strip()
+    changed = stamp["changed_paths"]
+    assert stamp["source_changed"] is any(not p.endswith(".md") for p in changed)
