@@ -6,7 +6,7 @@ Composes `conf/train.yaml` with Hydra's compose API and the overrides in SPEC (t
 QA file, algorithm variant, G, B, lengths), instantiates data, module, the environment callback and the trainer as
 `dspo.train.build` (no checkpointing, no logger, no validation: TRL's side saves and logs nothing either), and
 runs `trainer.fit` for warm-up + measured rounds. One round = one train batch: at its `on_train_batch_start` the
-`EnvironmentCallback` pushes the weights into the in-process vLLM engine and samples groups until B pass the filter,
+`RolloutCallback` pushes the weights into the in-process vLLM engine and samples groups until B pass the filter,
 then `training_step` does the forward/backward passes and the AdamW step. `RoundClock`, first in the callback list,
 times each batch and wraps the environment to read every round's rollout statistics, and the functions that do each
 phase of a step to time them (`PHASES`; `other_s` is the rest: Lightning's loop, logging, Python).
@@ -33,7 +33,7 @@ def prompt_digest(token_lists: list[list[int]]) -> str:
 
 # Phases of one step, each timed at a public seam (`RoundClock._wrap`); `other_s` is the rest of the step.
 PHASES = {
-    "push_s": "weight push into the engine (the engine's push_weights, dspo.rollout.engine)",
+    "push_s": "weight push into the engine (the engine's push_weights, dspo.engines)",
     "generate_s": "rollout: engine calls, reward, filter (the logged rollout/time_s)",
     "collate_s": "round building: advantages, bucketing, padding (the environment's hook less push and generation)",
     "forward_s": "logprob forward, entropy, correction weights, KL (DSPOModule.micro_batch_loss less the objective)",
@@ -95,15 +95,15 @@ def timed_objective(name: str, timer: PhaseTimer) -> None:
 
 
 def timed_push(timer: PhaseTimer) -> None:
-    """Time `push_weights` of every engine class of dspo.rollout.engine (the Engine protocol's method)."""
+    """Time `push_weights` of every engine class of dspo.engines (the Engine protocol's method)."""
     import inspect
 
-    import dspo.rollout.engine as engines
+    import dspo.engines as engines
 
-    classes = [c for _, c in inspect.getmembers(engines, inspect.isclass) if c.__module__ == engines.__name__]
+    classes = [c for _, c in inspect.getmembers(engines, inspect.isclass) if c.__module__.startswith(engines.__name__)]
     patched = [c for c in classes if "push_weights" in vars(c) and not inspect.isabstract(c)]
     if not patched:
-        raise AttributeError("no engine class in dspo.rollout.engine defines push_weights: update bench/_dspo_side.py")
+        raise AttributeError("no engine class in dspo.engines defines push_weights: update bench/_dspo_side.py")
     for cls in patched:
         cls.push_weights = timer.wrap("push_s", cls.push_weights)
 
@@ -217,12 +217,11 @@ def agent_prompt_ids(cfg: Any, items: list) -> list[list[int]]:
     from hydra.utils import instantiate
     from transformers import AutoTokenizer
 
-    from dspo.rollout.agent import SearchAgent
+    from dspo.agent import build_agent
 
-    agent = SearchAgent(
-        None, AutoTokenizer.from_pretrained(cfg.model.path), instantiate(cfg.env), instantiate(cfg.rollout.agent)
-    )
-    return [agent.prompt_ids(item) for item in items]
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    agent = build_agent(instantiate(cfg.rollout.agent), engine=None, tokenizer=tokenizer, env=instantiate(cfg.env))
+    return [agent.first_prompt(item) for item in items]
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -238,7 +237,7 @@ def main(spec_path: str, result_path: str) -> None:
     configure_threads()
     from hydra import compose, initialize_config_dir
 
-    from dspo.rollout.environment import SamplingExhausted
+    from dspo.rollout.sampler import SamplingExhausted
     from dspo.train import CONF_DIR, build
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

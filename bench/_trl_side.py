@@ -50,7 +50,7 @@ def main(spec_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from dspo.rewards import extract_answer, subem_reward
+    from dspo.env.rewards import extract_answer, subem_reward
 
     torch.manual_seed(int(spec["seed"]))
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])

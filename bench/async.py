@@ -47,7 +47,7 @@ from _outputs import add_output_arguments, output_path, provenance
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = [
     "run_test=false", "trainer.limit_val_batches=0", "~callbacks.validate_at_start", "~callbacks.checkpoint",
-    "~callbacks.best", "~callbacks.progress", "callbacks.environment.sample_every_n_rounds=0",
+    "~callbacks.best", "~callbacks.progress", "callbacks.rollout.sample_every_n_rounds=0",
 ]  # fmt: skip
 
 
@@ -62,7 +62,7 @@ def qwen_overrides(rounds: int, work: Path) -> tuple[list[str], int]:
     args = vs_trl.parse_args(["--warmup", "1", "--steps", str(rounds - 1)])
     model, rows, _ = vs_trl.resolve_workload(args, work)
     vs_trl.prepare_work(work, rows)
-    drop = ("logger=", "output_dir=", "+callbacks.environment.export_dir", "trainer.enable_progress_bar")
+    drop = ("logger=", "output_dir=", "+callbacks.rollout.export_dir", "trainer.enable_progress_bar")
     overrides = [o for o in vs_trl.dspo_spec(args, work, model, True, 0)["overrides"] if not o.startswith(drop)]
     return [*overrides, "~callbacks.validate_at_start"], 1
 

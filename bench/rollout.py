@@ -12,7 +12,7 @@ phases of a rollout are all exercised.
 `--model random`: a tiny random Qwen2 with Qwen2.5's 151k vocabulary, steered to close tool calls (malformed, so
 every tool turn is an error observation) on HotpotQA questions: the cost of a large vocabulary per token.
 
-Phases (the agent's own timers, `SearchAgent.last_stats`): generation = engine calls; search = retriever calls;
+Phases (the agent's own timers, `AgentRollout.stats`): generation = engine calls; search = retriever calls;
 other = everything else (tokenising observations, splicing, parsing, rewards). Each engine gets one warm-up call,
 then `--repeats` timed rollouts of the whole batch; the table shows the median repeat. HF runs first because
 vLLM's CPU backend pins torch's threads in its process. JSON: `outputs/bench/rollout.json` in the working directory
@@ -38,8 +38,8 @@ GOAL = 10.0  # issue 17: vLLM's generated tokens/s at least 10x the HF engine's
 
 
 def toy_workload(work: str, questions: int):
-    """(model dir, items, environment, AgentConfig, temperature) of the toy default (its `env` group, as `dspo-train`
-    builds it), shipped warm start adopted."""
+    """(model dir, items, environment, agent constructor, temperature) of the toy default (its `env` group, as
+    `dspo-train` builds it), shipped warm start adopted."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
@@ -59,8 +59,8 @@ def random_workload(work: str, questions: int, args: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dspo.agent import AgentConfig
     from dspo.data.qa import load_qa
-    from dspo.rollout.agent import AgentConfig
     from dspo.search.bm25 import build_or_load_index
     from dspo.toy.model import build_tiny_model, steer_tiny_model
 
@@ -78,15 +78,15 @@ def random_workload(work: str, questions: int, args: argparse.Namespace):
 
 
 def run(engine, tokenizer, retriever, items, agent_config, args, label: str) -> dict:
-    from dspo.rollout.agent import SearchAgent
+    from dspo.agent import build_agent
 
-    agent = SearchAgent(engine, tokenizer, retriever, agent_config)
+    agent = build_agent(agent_config, engine=engine, tokenizer=tokenizer, env=retriever)
     agent.rollout(items[:2], group_size=2, policy_version=0, seed=123)  # warm-up (compilation, caches)
     repeats = []
     for rep in range(args.repeats):
         tic = time.perf_counter()
-        agent.rollout(items, group_size=args.group_size, policy_version=0, seed=rep)
-        repeats.append(dict(agent.last_stats, total_s=time.perf_counter() - tic))
+        stats = agent.rollout(items, group_size=args.group_size, policy_version=0, seed=rep).stats
+        repeats.append(dict(stats, total_s=time.perf_counter() - tic))
         print(f"[{label} {rep}] " + ", ".join(f"{k}={v:.3g}" for k, v in repeats[-1].items()), flush=True)
     median = sorted(repeats, key=lambda s: s["tokens_per_s"])[len(repeats) // 2]
     return {**median, "tokens_per_s_repeats": [s["tokens_per_s"] for s in repeats]}
@@ -116,7 +116,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
 
-    from dspo.rollout.engine import HFEngine, VLLMEngine
+    from dspo.engines import HFEngine, VLLMEngine
     from dspo.toy.tokenizer import load_tokenizer  # any local tokenizer.json folder (no remote code)
 
     work = tempfile.mkdtemp(prefix="dspo_bench_rollout_")
@@ -162,11 +162,11 @@ def print_table(results: dict[str, dict]) -> None:
     head = ("engine", "tokens", "tok/s", "total s", "gen %", "search %", "other %", "searches", "turns", "reward")
     print("\n{:6} {:>7} {:>8} {:>8} {:>6} {:>8} {:>7} {:>8} {:>5} {:>6}".format(*head))
     for name, s in results.items():
-        total = s["generation_s"] + s["search_s"] + s["other_s"]
+        total = s["generation_s"] + s["tool_s"] + s["other_s"]
         print(
             f"{name:6} {s['generated_tokens']:7.0f} {s['tokens_per_s']:8.1f} {total:8.2f} "
-            f"{100 * s['generation_s'] / total:6.1f} {100 * s['search_s'] / total:8.1f} "
-            f"{100 * s['other_s'] / total:7.1f} {s['search_calls_mean']:8.2f} {s['turns_mean']:5.2f} "
+            f"{100 * s['generation_s'] / total:6.1f} {100 * s['tool_s'] / total:8.1f} "
+            f"{100 * s['other_s'] / total:7.1f} {s['tool_calls_mean']:8.2f} {s['turns_mean']:5.2f} "
             f"{s['reward_mean']:6.3f}"
         )
     spread = {k: statistics.median(v["tokens_per_s_repeats"]) for k, v in results.items()}

@@ -111,8 +111,8 @@ def resolve_workload(args: argparse.Namespace, work: Path) -> tuple[str, list[di
     """Model directory, QA rows and their prompts as dspo's agent renders them (chat template, searchr1, no tools)."""
     from transformers import AutoTokenizer
 
+    from dspo.agent.prompts import build_messages, render_prompt
     from dspo.data.qa import load_qa
-    from dspo.rollout.prompts import build_messages, render_prompt
 
     if args.model == "toy":
         root = Path(os.environ.get("DSPO_CACHE", Path.home() / ".cache" / "dspo")) / "toyworld" / "default"
@@ -146,7 +146,7 @@ DSPO_FIXED = (
     "rollout.agent.top_p=1.0 optimizer.warmup_steps=0 optimizer.weight_decay=0.01 optimizer.max_grad_norm=1.0 "
     "trainer.limit_val_batches=0 trainer.enable_progress_bar=false +trainer.enable_checkpointing=false logger=none "
     "~callbacks.checkpoint ~callbacks.best ~callbacks.lr_monitor ~callbacks.progress "
-    "callbacks.environment.sample_every_n_rounds=0 "
+    "callbacks.rollout.sample_every_n_rounds=0 "
     "run_test=false"
 )
 
@@ -168,7 +168,7 @@ def dspo_spec(args: argparse.Namespace, work: Path, model: str, filtered: bool, 
         f"rollout.agent.max_new_tokens_per_turn={a.max_new_tokens}",
         f"optimizer.lr={a.lr}",
         f"trainer.max_steps={a.warmup + a.steps}",
-        f"+callbacks.environment.export_dir={work / 'export'}",
+        f"+callbacks.rollout.export_dir={work / 'export'}",
         f"output_dir={work / 'run'}",
         f"seed={seed}",
     ]

@@ -5,7 +5,7 @@ Plain Python, no torch: the reward, the toy world and the retrieval commands imp
 text metrics import transformers). The torchmetrics classes over these scores (`SubEM`, `ExactMatch`, `TokenF1`,
 `answer_metrics`, `benchmark_metrics`) live in `dspo.metric_collections` and are still importable from here.
 
-One rule for blank answers, shared by the reward (`dspo.rewards`), evaluation (`dspo.eval.pipeline`) and these
+One rule for blank answers, shared by the reward (`dspo.env.rewards`), evaluation (`dspo.eval.pipeline`) and these
 metrics: a missing answer (None) is wrong, and a gold answer that normalizes to the empty string (NQ has `*`, `---`,
 `)`) never matches. Departure from FlashRAG / Search-R1, whose scorers count such a gold as found in any prediction
 (`"" in pred`), so a question whose only gold is `*` is "answered" by anything, even by no answer. `dspo.data.qa`

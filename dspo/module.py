@@ -197,7 +197,7 @@ class DSPOModule(pl.LightningModule):
         logprobs on its first step; each micro-batch's loss and backward; the update; the step's logs. A non-finite
         loss or gradient on any rank skips the step on every rank."""
         if not slot.micro_batches:
-            raise RuntimeError("empty train batch: EnvironmentCallback must be in trainer.callbacks (conf/callbacks)")
+            raise RuntimeError("empty train batch: RolloutCallback must be in trainer.callbacks (conf/callbacks)")
         if slot.round_batches:
             self._prepare_round(slot.round_batches)
         micro = [b.to(self.device) for b in slot.micro_batches]
@@ -343,7 +343,7 @@ class DSPOModule(pl.LightningModule):
         """Score the greedy predictions the environment callback put into the batch (`EvalSlot.predictions`)."""
         if not isinstance(slot, EvalSlot) or slot.predictions is None:
             raise RuntimeError(
-                f"{stage}: the batch carries no predictions; EnvironmentCallback (conf/callbacks) makes them at "
+                f"{stage}: the batch carries no predictions; RolloutCallback (conf/callbacks) makes them at "
                 f"on_{'validation' if stage == 'val' else 'test'}_batch_start from the RolloutDataModule's EvalSlot"
             )
         datamodule = self.trainer.datamodule

@@ -7,13 +7,18 @@ searches: 0.0). So `dspo-train` writes the resolved config sections of the run (
 interpolation resolved, paths absolute) into every checkpoint (`checkpoint["dspo"]["run"]`) and into the exported
 model folder (`dspo_run.json`), and `dspo-eval` / `dspo-rollout` adopt them when given such a model or checkpoint:
 
-- `rollout.agent`: the record's agent; a key given on the command line (`rollout.agent.topk=3`) is applied on top of
-  it, with a warning that names the key and the trained value;
+- `rollout.agent`: the record's agent; a key given on the command line (`rollout.agent.max_turns=5`) is applied on top
+  of it, with a warning that names the key and the trained value;
 - `rollout.engine`: the record's engine, unless the command line picks another (`rollout=hf`); its keys likewise;
-- `retriever`, `env`, `data`: the record's, unless the command line touches the group or any key of it (then the
-  command line's whole section: `retriever=remote retriever.url=...`, `env=ikea`, `data=file data.path=...`). The
-  environment is recorded as written, so its search tool follows the retriever the command ends up with;
+- `env`: the record's environment, unless the command line picks another (`env=ikea`); its keys likewise, at any
+  depth (`env.tools.search.topk=3`, with a warning). It is recorded resolved but for its `${retriever...}`, so its
+  search tool follows the retriever the command ends up with;
+- `retriever`, `data`: the record's, unless the command line touches the group or any key of it (then the command
+  line's whole section: `retriever=remote retriever.url=...`, `data=file data.path=...`);
 - the evaluation batch size, unless `eval.batch_size` is given (it only changes numerics, not which questions).
+
+Records of older dspo versions are read in today's terms (`translated`): moved targets renamed, the agent's old tool
+limits (`rollout.agent.topk`, ...) put where the environment read them.
 
 A model folder without `dspo_run.json` (any Hugging Face model) keeps the command's own defaults.
 
@@ -38,14 +43,19 @@ FORMAT = 1
 AGENT_KEYS_THAT_MATTER = (
     "tag_format",
     "max_turns",
-    "topk",
     "max_new_tokens_per_turn",
     "max_obs_tokens",
     "max_total_tokens",
     "system_prompt",
-    "max_queries_per_call",
-    "max_answer_words",
 )
+# Targets that moved, as older records name them (issue 41: the agent loop and the engines left dspo.rollout).
+MOVED_TARGETS = {
+    "dspo.rollout.agent.AgentConfig": "dspo.agent.tool_calling.ToolCallingAgent",
+    "dspo.rollout.agent.SearchAgent": "dspo.agent.tool_calling.ToolCallingAgent",
+    "dspo.rollout.engine.VLLMEngine": "dspo.engines.VLLMEngine",
+    "dspo.rollout.engine.HFEngine": "dspo.engines.HFEngine",
+    "dspo.rollout.scripted.ScriptedEngine": "dspo.engines.ScriptedEngine",
+}
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +77,11 @@ def run_record(cfg: DictConfig) -> dict[str, Any]:
         "config": {
             "rollout": _section(cfg, "rollout"),
             "retriever": _section(cfg, "retriever"),
-            # as written, not resolved: its `${retriever}` and `${rollout.agent.*}` then follow what the evaluating
-            # command adopted or was given (retriever=remote ... reaches the adopted environment's search tool)
-            "env": _section(cfg, "env", resolve=False),
+            # resolved but for its `${retriever...}`, which then follows what the evaluating command adopted or was
+            # given (retriever=remote ... reaches the adopted environment's search tool)
+            "env": _env_section(cfg),
             "data": _section(cfg, "data"),
-            "eval_batch_size": OmegaConf.select(cfg, "callbacks.environment.eval_batch_size", default=None),
+            "eval_batch_size": OmegaConf.select(cfg, "callbacks.rollout.eval_batch_size", default=None),
             "algorithm": {
                 "name": OmegaConf.select(cfg, "algorithm.name", default=None),
                 "temperature": OmegaConf.select(cfg, "algorithm.temperature", default=None),
@@ -79,6 +89,27 @@ def run_record(cfg: DictConfig) -> dict[str, Any]:
             "model": {"path": OmegaConf.select(cfg, "model.path", default=None)},
         },
     }
+
+
+def _env_section(cfg: DictConfig) -> Any:
+    """The `env` node with every value resolved except the interpolations of the retriever (`${retriever}`,
+    `${retriever.corpus}`): the run's tool limits (the toy's `toy.topk`, ...) are recorded as they were."""
+    node = OmegaConf.select(cfg, "env", default=None)
+    if not isinstance(node, DictConfig):
+        return node
+    written = OmegaConf.to_container(node, resolve=False)
+
+    def resolved(value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            return {key: resolved(inner, f"{path}.{key}") for key, inner in value.items()}
+        if isinstance(value, list):
+            return [resolved(inner, f"{path}[{index}]") for index, inner in enumerate(value)]
+        if isinstance(value, str) and "${" in value and "${retriever" not in value:
+            found = OmegaConf.select(cfg, path, throw_on_missing=False)
+            return OmegaConf.to_container(found, resolve=True) if OmegaConf.is_config(found) else found
+        return value
+
+    return resolved(written, "env")
 
 
 def write_record(model_dir: str | Path, record: Mapping[str, Any], step: int | None = None) -> Path:
@@ -111,7 +142,44 @@ def _checked(record: Any, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: not a dspo run record (no 'config' mapping)")
     if int(record.get("format", 0)) > FORMAT:
         raise ValueError(f"{where}: record format {record.get('format')} is newer than this dspo reads ({FORMAT})")
-    return record
+    return {**record, "config": translated(record["config"])}
+
+
+def translated(config: dict[str, Any]) -> dict[str, Any]:
+    """A record's config in today's terms: moved `_target_`s renamed (`MOVED_TARGETS`), and an agent of the days
+    when it held the tool limits (`rollout.agent.topk`, ...) split: its limits stay the agent's, the moved ones
+    replace the environment's `${rollout.agent.<key>}` interpolations (as the run resolved them)."""
+    from dspo.agent.config import MOVED_TO_ENV
+
+    config = _renamed_targets(copy.deepcopy(config))
+    agent = (config.get("rollout") or {}).get("agent")
+    if not isinstance(agent, dict):
+        return config
+    moved = {key: agent.pop(key) for key in list(agent) if key in MOVED_TO_ENV}
+    if agent.get("_target_") == MOVED_TARGETS["dspo.rollout.agent.AgentConfig"]:
+        agent["_partial_"] = True  # a constructor now, completed with the engine, tokenizer and environment
+    if moved and config.get("env") is not None:
+        config["env"] = _substituted(config["env"], {f"${{rollout.agent.{k}}}": v for k, v in moved.items()})
+    return config
+
+
+def _renamed_targets(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            key: MOVED_TARGETS.get(inner, inner) if key == "_target_" else _renamed_targets(inner)
+            for key, inner in value.items()
+        }
+    if isinstance(value, list):
+        return [_renamed_targets(inner) for inner in value]
+    return value
+
+
+def _substituted(value: Any, values: dict[str, Any]) -> Any:
+    if isinstance(value, dict):
+        return {key: _substituted(inner, values) for key, inner in value.items()}
+    if isinstance(value, list):
+        return [_substituted(inner, values) for inner in value]
+    return values.get(value, value) if isinstance(value, str) else value
 
 
 def override_keys(overrides: Iterable[str]) -> list[str]:
@@ -146,6 +214,8 @@ def adopt(
                 warnings += _adopt_agent(cfg, trained.get("rollout", {}).get("agent"), keys, adopted)
             elif section == "rollout.engine":
                 _adopt_engine(cfg, trained.get("rollout", {}).get("engine"), keys, adopted, kept)
+            elif section == "env" and trained.get("env") is not None and "env" not in keys:
+                warnings += _adopt_env(cfg, trained["env"], keys, adopted)
             elif section == "eval.batch_size":
                 if trained.get("eval_batch_size") and not _touched(keys, "eval.batch_size"):
                     cfg.eval.batch_size = int(trained["eval_batch_size"])
@@ -170,11 +240,16 @@ def _guard(trained: dict, sections: list[str], keys: list[str], source: str, imp
     for section in sections:
         if section == "eval.batch_size" or (section == "rollout.engine" and "rollout" in keys):
             continue
-        if section not in ("rollout.agent", "rollout.engine") and _touched(keys, section):
+        if section == "env" and "env" in keys:
+            continue  # env=... on the command line: its own environment, not the record's
+        if section not in ("rollout.agent", "rollout.engine", "env") and _touched(keys, section):
             continue  # the command line's own section, not the record's
         # the agent and engine are merged key by key: the record's keys are adopted except the top-level ones the
-        # command line sets (`_adopt_agent`), so only those are the user's (not `rollout.agent=...` as a whole)
+        # command line sets (`_adopt_agent`), so only those are the user's (not `rollout.agent=...` as a whole); the
+        # environment likewise, at any depth (`env.tools.search.topk=3`)
         users = [k for k in keys if k.startswith(section + ".") and k.count(".") == section.count(".") + 1]
+        if section == "env":
+            users = [k for k in keys if k.startswith("env.")]
 
         def overridden(key: str, users: list[str] = users) -> bool:
             return any(key == k or key.startswith(k + ".") for k in users)
@@ -199,6 +274,27 @@ def _adopt_agent(cfg: DictConfig, agent: Mapping | None, keys: list[str], adopte
         for key, value in user.items()
         if key in AGENT_KEYS_THAT_MATTER and value != agent.get(key)
     ]
+
+
+def _adopt_env(cfg: DictConfig, env: Mapping, keys: list[str], adopted: list[str]) -> list[str]:
+    """The record's environment with the command line's `env.*` keys on top (a warning for each that differs)."""
+    user = {}
+    for key in _touched(keys, "env"):
+        value = OmegaConf.select(cfg, key, default=None)
+        user[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    OmegaConf.update(cfg, "env", env, merge=False)
+    trained = OmegaConf.create(env)
+    warnings = []
+    for key, value in user.items():
+        before = OmegaConf.select(trained, key.removeprefix("env."), default=None, throw_on_resolution_failure=False)
+        OmegaConf.update(cfg, key, value, merge=False)
+        if value != before:
+            warnings.append(
+                f"WARNING: {key}={value!r} differs from the trained environment's {before!r}: the model was trained "
+                "with the latter; expect other scores"
+            )
+    adopted.append(f"env ({describe('env', env)})")
+    return warnings
 
 
 def _adopt_engine(cfg: DictConfig, engine: Mapping | None, keys: list[str], adopted: list[str], kept: list[str]):

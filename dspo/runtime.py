@@ -33,6 +33,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import NoReturn
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,17 @@ def run_command(main: Callable[[], object]) -> NoReturn:
     multiprocessing's joins, logger plugins' finish hooks) before the buffered output is flushed and the process ends
     with the command's exit status. What is skipped is the finalization of objects still alive at exit: a plugin
     that writes a file must close it (a `with` block), as Python does not promise finalizers at exit either.
-    An exception other than SystemExit propagates as usual (traceback, normal teardown)."""
+    An exception other than SystemExit propagates as usual (traceback, normal teardown).
+
+    A command line setting a key that moved (`rollout.agent.topk=5`, now `env.tools.search.topk`) ends here with a
+    line naming the new key, exit status 2, before Hydra would refuse it as a key the config does not have."""
+    from dspo.agent.config import MovedSettingError, check_moved_overrides
+
+    try:
+        check_moved_overrides(sys.argv[1:])
+    except MovedSettingError as error:
+        print(f"{Path(sys.argv[0]).stem}: error: {error}", file=sys.stderr, flush=True)
+        end_process(2)
     try:
         main()
         status: object = 0

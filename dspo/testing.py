@@ -1,4 +1,4 @@
-"""Stand-ins for the rollout side, so `DSPOModule` + `EnvironmentCallback` train on CPU in seconds in tests.
+"""Stand-ins for the rollout side, so `DSPOModule` + `RolloutCallback` train on CPU in seconds in tests.
 
 `build_toy_lm` writes a random Qwen2 model with a tiny vocabulary (no tokenizer, no download); `ScriptedAgent` returns
 token-level groups whose content depends only on the prompt and the call's seed (so a resumed run can be compared
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from dspo.rollout.environment import RolloutEnvironment
+from dspo.agent.protocol import AgentRollout
+from dspo.rollout.sampler import RoundSampler
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 TOY_VOCAB = 48
@@ -49,20 +50,21 @@ def build_toy_lm(output_dir: str, vocab_size: int = TOY_VOCAB, seed: int = 0) ->
 
 @dataclass
 class ScriptedAgent:
-    """`SearchAgent.rollout` look-alike: G trajectories per prompt, at least one reward 1 and one reward 0 each.
+    """An `Agent` for tests: G trajectories per prompt, at least one reward 1 and one reward 0 each.
 
     Response lengths, environment-token positions (mask 0) and rewards come from `random.Random(f"{id}/{seed}")`.
     """
 
     vocab_size: int = TOY_VOCAB
     calls: list[tuple[list[str], int, int | None]] = field(default_factory=list)  # (prompt ids, version, seed)
-    last_stats: dict[str, float] = field(default_factory=lambda: {"search_calls_mean": 0.0, "invalid_calls": 0.0})
+    stats: dict[str, float] = field(default_factory=lambda: {"tool_calls_mean": 0.0, "invalid_calls": 0.0})
+    env: Any = None
 
     def rollout(
         self, items: list[QAItem], group_size: int, policy_version: int, greedy: bool = False, seed: int | None = None
-    ) -> list[RolloutGroup]:
+    ) -> AgentRollout:
         self.calls.append(([item.id for item in items], policy_version, seed))
-        return [self._group(item, group_size, policy_version, seed) for item in items]
+        return AgentRollout([self._group(item, group_size, policy_version, seed) for item in items], dict(self.stats))
 
     def _group(self, item: QAItem, group_size: int, policy_version: int, seed: int | None) -> RolloutGroup:
         rng = random.Random(f"{item.id}/{seed}")
@@ -108,8 +110,9 @@ def worker_spec(max_staleness: int = 1, **changes: Any):
     from dspo.rollout.worker import WorkerSpec
 
     algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
-    fields = dict(engine=recording_engine, agent=None, env=None, algorithm=algorithm, model=ModelConfig(path="unused"))
-    return WorkerSpec(**{**fields, "build_agent": scripted_agent, **changes}, seed=0, max_staleness=max_staleness)
+    fields = dict(engine=recording_engine, env=None, algorithm=algorithm, model=ModelConfig(path="unused"))
+    fields.update(agent=scripted_agent, tokenizer=StandInTokenizer())
+    return WorkerSpec(**{**fields, **changes}, seed=0, max_staleness=max_staleness)
 
 
 def recording_engine(model_path: str | None = None) -> RecordingEngine:
@@ -117,8 +120,8 @@ def recording_engine(model_path: str | None = None) -> RecordingEngine:
     return RecordingEngine()
 
 
-def scripted_agent(engine, spec) -> ScriptedAgent:
-    """`WorkerSpec.build_agent` for tests: the scripted agent inside the engine process."""
+def scripted_agent(engine=None, tokenizer=None, env=None) -> ScriptedAgent:
+    """An agent constructor for tests (`rollout.agent`, completed by `build_agent`): the scripted agent."""
     return ScriptedAgent()
 
 
@@ -139,8 +142,8 @@ class WeightsEchoAgent(ScriptedAgent):
         return group
 
 
-def weights_echo_agent(engine, spec) -> WeightsEchoAgent:
-    """`WorkerSpec.build_agent` for tests: a `WeightsEchoAgent` on the engine process's engine."""
+def weights_echo_agent(engine=None, tokenizer=None, env=None) -> WeightsEchoAgent:
+    """An agent constructor for tests: a `WeightsEchoAgent` on the engine it is given."""
     return WeightsEchoAgent(engine=engine)
 
 
@@ -159,7 +162,7 @@ class SlowAgent(ScriptedAgent):
         return super().rollout(items, group_size, policy_version, greedy, seed)
 
 
-def slow_agent(engine, spec) -> SlowAgent:
+def slow_agent(engine=None, tokenizer=None, env=None) -> SlowAgent:
     return SlowAgent()
 
 
@@ -178,7 +181,7 @@ class BulkyAgent(ScriptedAgent):
         return group
 
 
-def bulky_agent(engine, spec) -> BulkyAgent:
+def bulky_agent(engine=None, tokenizer=None, env=None) -> BulkyAgent:
     return BulkyAgent()
 
 
@@ -186,15 +189,15 @@ def _idle() -> None:
     """A child process's work: nothing (module level: a spawned child must find it by name)."""
 
 
-def parent_agent(engine, spec) -> ScriptedAgent:
-    """`WorkerSpec.build_agent` that starts and joins a child process first, as vLLM's multiprocess executor or a
-    tool's process pool would in the engine process (a daemonic process may not have children)."""
+def parent_agent(engine=None, tokenizer=None, env=None) -> ScriptedAgent:
+    """An agent constructor (`rollout.agent`) that starts and joins a child process first, as vLLM's multiprocess
+    executor or a tool's process pool would in the engine process (a daemonic process may not have children)."""
     import multiprocessing
 
     child = multiprocessing.get_context("spawn").Process(target=_idle)
     child.start()
     child.join()
-    return ScriptedAgent(last_stats={"search_calls_mean": 0.0, "invalid_calls": 0.0, "child_exit": child.exitcode})
+    return ScriptedAgent(stats={"tool_calls_mean": 0.0, "invalid_calls": 0.0, "child_exit": child.exitcode})
 
 
 @dataclass
@@ -214,8 +217,9 @@ class PidEnvironment:
         pass
 
 
-def report_environment_agent(engine, spec):
-    """`WorkerSpec.build_agent` that fails on purpose, reporting the engine process's CUDA_VISIBLE_DEVICES."""
+def report_environment_agent(engine=None, tokenizer=None, env=None):
+    """An agent constructor (`rollout.agent`) that fails on purpose, reporting the engine process's
+    CUDA_VISIBLE_DEVICES."""
     import os
 
     raise RuntimeError(f"engine process sees CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}")
@@ -245,7 +249,9 @@ def toy_items(n: int = 40) -> list[QAItem]:
     return [QAItem(id=str(i), question=f"q{i}", golden_answers=["a"]) for i in range(n)]
 
 
-class _Tokenizer:
+class StandInTokenizer:
+    """What the trainer and the scripted agents need of a tokenizer (the toy model has none)."""
+
     pad_token_id = 0
 
     def save_pretrained(self, path: str) -> None:  # the toy model has no tokenizer files to export
@@ -253,11 +259,11 @@ class _Tokenizer:
 
 
 def attach(callback, agent: ScriptedAgent, engine: RecordingEngine, world_size: int = 1) -> None:
-    """Put the stand-ins into an `EnvironmentCallback` before `trainer.fit` (its `setup` then builds nothing)."""
+    """Put the stand-ins into an `RolloutCallback` before `trainer.fit` (its `setup` then builds nothing)."""
     from dspo.rollout.sides import LocalEngine
 
-    callback.producer.tokenizer = _Tokenizer()
-    callback.producer.attach(LocalEngine(engine, agent, RolloutEnvironment(agent, callback.algo, 0, world_size)))
+    callback.producer.tokenizer = StandInTokenizer()
+    callback.producer.attach(LocalEngine(engine, agent, RoundSampler(agent, callback.algo, 0, world_size)))
 
 
 def toy_run(
@@ -282,7 +288,7 @@ def toy_run(
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from dspo.algorithms.config import AlgorithmConfig
-    from dspo.callbacks.environment_callback import EnvironmentCallback
+    from dspo.callbacks.rollout_callback import RolloutCallback
     from dspo.data.datamodule import PromptSampler, RolloutDataModule
     from dspo.models import ModelConfig
     from dspo.module import DSPOModule, OptimizerConfig
@@ -297,13 +303,14 @@ def toy_run(
         model, algo, OptimizerConfig(lr=lr, weight_decay=0.0, warmup_steps=warmup_steps)
     )
     if max_staleness:
-        callback = EnvironmentCallback(
+        callback = RolloutCallback(
             recording_engine, None, None, algo, model, seed=seed, sample_every_n_rounds=0, max_staleness=max_staleness
         )
-        callback.producer.spec.build_agent, callback.producer.tokenizer = scripted_agent, _Tokenizer()
+        callback.producer.spec.agent, callback.producer.tokenizer = scripted_agent, StandInTokenizer()
+        callback.producer.spec.tokenizer = StandInTokenizer()
         agent = engine = None
     else:
-        callback = EnvironmentCallback(None, None, None, algo, model, seed=seed, sample_every_n_rounds=0)
+        callback = RolloutCallback(None, None, None, algo, model, seed=seed, sample_every_n_rounds=0)
         agent, engine = ScriptedAgent(), RecordingEngine()
         attach(callback, agent, engine)
     datamodule = RolloutDataModule(train_files=["scripted"], seed=seed)

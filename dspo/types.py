@@ -74,7 +74,7 @@ class Trajectory:
     golden_answers: list[str] = field(default_factory=list)
     response_text: str = ""
     num_turns: int = 0
-    num_search_calls: int = 0  # valid tool calls (every tool; per tool in tool_calls)
+    num_tool_calls: int = 0  # valid tool calls (every tool; per tool in tool_calls)
     num_invalid_calls: int = 0
     tool_calls: dict[str, int] = field(default_factory=dict)
     truncated: bool = False  # hit the total length cap or max_turns without an answer

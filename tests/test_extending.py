@@ -32,7 +32,7 @@ def examples(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.chdir(REPO)
     yield
-    for name in ("my_objective", "my_advantage", "my_world", "my_retriever", "my_tool", "my_reward"):
+    for name in ("my_objective", "my_advantage", "my_world", "my_retriever", "my_tool", "my_reward", "my_agent"):
         sys.modules.pop(name, None)
     OBJECTIVES.pop("seq_cispo")
     ADVANTAGES.pop("batch_std")
@@ -165,9 +165,11 @@ def _corpus(path: Path) -> Path:
 def test_reranker_is_a_retriever_selected_by_target_and_used_by_the_agent(examples, tmp_path):
     from transformers import AutoTokenizer
 
+    from dspo.agent import AgentConfig
+    from dspo.agent.tool_calling import ToolCallingAgent
+    from dspo.engines.scripted import ScriptedEngine
+    from dspo.env import Environment
     from dspo.resources import QWEN_TOKENIZER, data_dir
-    from dspo.rollout.agent import AgentConfig, SearchAgent
-    from dspo.rollout.scripted import ScriptedEngine
     from dspo.search import Retriever
     from dspo.types import QAItem
 
@@ -183,16 +185,17 @@ def test_reranker_is_a_retriever_selected_by_target_and_used_by_the_agent(exampl
 
     tokenizer = AutoTokenizer.from_pretrained(str(data_dir().joinpath(*QWEN_TOKENIZER)))
     turns = ["<search> Ana Lys </search>", "<answer> Veltra </answer>"]
-    config = AgentConfig(tag_format="searchr1", topk=1, max_turns=3)
-    agent = SearchAgent(ScriptedEngine(tokenizer, [turns]), tokenizer, reranker, config)
+    config = AgentConfig(tag_format="searchr1", max_turns=3)
+    env = Environment.search(reranker, topk=1)
+    agent = ToolCallingAgent(ScriptedEngine(tokenizer, [turns]), tokenizer, env, config)
     item = QAItem(id="q", question="Where was Ana Lys born?", golden_answers=["Veltra"])
-    (group,) = agent.rollout([item], group_size=1, policy_version=0)
+    (group,) = agent.rollout([item], group_size=1, policy_version=0).groups
     trajectory = group.trajectories[0]
     observation = tokenizer.decode(
         [t for t, m in zip(trajectory.response_ids, trajectory.response_mask, strict=True) if m == 0]
     )
     assert "Ana Lys was born in Veltra" in observation and "waved at the harbor" not in observation
-    assert (trajectory.reward, trajectory.num_search_calls) == (1.0, 1)
+    assert (trajectory.reward, trajectory.num_tool_calls) == (1.0, 1)
 
 
 # ------------------------------------------------------------------------ 6-7. a new tool and a new reward
@@ -209,10 +212,11 @@ def test_judge_tool_and_judged_reward_in_the_agent_loop_hand_computed(examples):
     batched and counted, a bad verdict is the model's fault (counted, explained), the reward's steps by hand."""
     from transformers import AutoTokenizer
 
+    from dspo.agent import AgentConfig
+    from dspo.agent.tool_calling import ToolCallingAgent
+    from dspo.engines.scripted import ScriptedEngine
     from dspo.env import Environment, SearchTool
     from dspo.resources import QWEN_TOKENIZER, data_dir
-    from dspo.rollout.agent import AgentConfig, SearchAgent
-    from dspo.rollout.scripted import ScriptedEngine
     from dspo.types import Passage, QAItem
 
     import_modules(["my_tool", "my_reward"])
@@ -226,28 +230,61 @@ def test_judge_tool_and_judged_reward_in_the_agent_loop_hand_computed(examples):
 
     env = Environment({"search": SearchTool(OnePage(), topk=1), "judge": judge}, reward, 0.05, cfg.env.instruction)
     tokenizer = AutoTokenizer.from_pretrained(str(data_dir().joinpath(*QWEN_TOKENIZER)))
-    config = AgentConfig(tag_format="searchr1", max_turns=3, topk=1, max_new_tokens_per_turn=64)
-    agent = SearchAgent(ScriptedEngine(tokenizer, _judge_scripts()), tokenizer, env, config)
+    config = AgentConfig(tag_format="searchr1", max_turns=3, max_new_tokens_per_turn=64)
+    agent = ToolCallingAgent(ScriptedEngine(tokenizer, _judge_scripts()), tokenizer, env, config)
     item = QAItem(id="q", question="What is the capital of France?", golden_answers=["Paris"])
-    right, blind, bad = agent.rollout([item], group_size=3, policy_version=0)[0].trajectories
+    result = agent.rollout([item], group_size=3, policy_version=0)
+    right, blind, bad = result.groups[0].trajectories
     assert "<information>Noted: answer now." in right.response_text
     assert right.step_rewards == [None, 0.1, None] and right.reward == pytest.approx(1.1)
     assert blind.step_rewards == [-0.1, None] and blind.reward == pytest.approx(0.9)
     assert bad.step_rewards == [None, None, None] and bad.reward == 0.0 and "must be one of" in bad.response_text
     assert right.reward_components == {"subem": 1.0, "judge": 0.1} and blind.reward_components["judge"] == -0.1
-    stats = agent.last_stats
+    stats = result.stats
     assert stats["calls/judge"] == pytest.approx(2 / 3) and stats["invalid/judge/bad_arguments"] == 1
+
+
+def test_planning_agent_by_its_hooks_hand_computed(examples, qwen_tokenizer):
+    """`rollout.agent._target_=my_agent.PlanningAgent` as the guide composes it, completed by `build_agent` and run on
+    scripted turns: the plan turn ends at </plan> and the episode goes on (plan, search, answer: 3 turns, 1 search);
+    a first turn that answers at once still ends the episode; the request for a plan is in the prompt."""
+    from dspo.agent import build_agent
+    from dspo.engines.scripted import ScriptedEngine
+    from dspo.env import Environment, SearchTool
+    from dspo.types import Passage, QAItem
+
+    import_modules(["my_agent"])
+    cfg = compose_train("rollout.agent._target_=my_agent.PlanningAgent")
+    page = Passage(id="1", title="France", text="Paris is the capital of France.")
+
+    class OnePage:
+        def search(self, queries, k):
+            return [[page] for _ in queries]
+
+    plan = "<plan> capital of France </plan>"
+    scripts = [[plan, "<search> capital of France </search>", "<answer> Paris </answer>"], ["<answer> Lyon </answer>"]]
+    engine = ScriptedEngine(qwen_tokenizer, scripts)
+    env = Environment({"search": SearchTool(OnePage(), topk=1)}, instantiate(cfg.env.reward))
+    agent = build_agent(instantiate(cfg.rollout.agent), engine=engine, tokenizer=qwen_tokenizer, env=env)
+    assert type(agent).__name__ == "PlanningAgent" and agent.config.max_turns == 3  # the toy's limits, as keywords
+    item = QAItem(id="q", question="What is the capital of France?", golden_answers=["Paris"])
+    planned, direct = agent.rollout([item], group_size=2, policy_version=0).groups[0].trajectories
+    assert (planned.num_turns, planned.num_tool_calls, planned.reward, planned.truncated) == (3, 1, 1.0, False)
+    assert planned.response_text.startswith(plan) and "Plan noted. Carry it out" in planned.response_text
+    assert (direct.num_turns, direct.num_tool_calls, direct.reward) == (1, 0, 0.0)
+    assert "First list the searches you will make inside <plan>" in qwen_tokenizer.decode(planned.prompt_ids)
 
 
 @pytest.mark.slow
 def test_cli_run_with_every_example_plugin(run_train, short_default_hf, tmp_path, monkeypatch):
-    """The objective, the estimator, the tool and the reward through `dspo-train 'imports=[...]'`, as the guide runs
-    them (an unknown name would be refused when the config is built, so a finished run used all four)."""
+    """The objective, the estimator, the tool, the reward and the agent through `dspo-train 'imports=[...]'`, as the
+    guide runs them (an unknown name would be refused when the config is built, so a finished run used all five)."""
     from dspo.analysis import find_runs, load_scalars
 
     monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
     args = [
-        "imports=[my_objective,my_advantage,my_tool,my_reward]",
+        "imports=[my_objective,my_advantage,my_tool,my_reward,my_agent]",
+        "rollout.agent._target_=my_agent.PlanningAgent",
         SEARCHPATH,
         "env=reseek",
         "algorithm.loss=seq_cispo",
@@ -259,6 +296,7 @@ def test_cli_run_with_every_example_plugin(run_train, short_default_hf, tmp_path
     config = (run.dir / ".hydra" / "config.yaml").read_text()
     assert "loss: seq_cispo" in config and "advantage: batch_std" in config and "lower_bound: true" in config
     assert "_target_: my_tool.JudgeTool" in config and "_target_: my_reward.JudgedSubEM" in config
+    assert "_target_: my_agent.PlanningAgent" in config
     scalars = load_scalars(run.dir)
     loss = scalars[scalars.tag == "train/loss"]
     assert len(loss) == 2 and loss.value.map(math.isfinite).all()

@@ -167,7 +167,7 @@ def _lightning_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
     distributed checkpoint, then a fresh trainer resumed from it to step 4. Writes what the parent checks."""
     import lightning.pytorch as pl
 
-    from dspo.rollout.environment import RolloutEnvironment
+    from dspo.rollout.sampler import RoundSampler
     from dspo.strategies import FSDP2Strategy
     from dspo.testing import toy_run
 
@@ -177,7 +177,7 @@ def _lightning_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
     report = {}
     for phase, max_steps, ckpt in (("first", 2, None), ("resumed", 4, str(out / "ck.ckpt"))):
         run = toy_run(lm_dir, str(out / phase), max_steps, kl_coef=0.1, micro_batch_size=2)
-        run.callback.producer.side.environment = RolloutEnvironment(run.agent, run.callback.algo, rank, WORLD)
+        run.callback.producer.side.round_sampler = RoundSampler(run.agent, run.callback.algo, rank, WORLD)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD,

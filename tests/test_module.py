@@ -1,6 +1,6 @@
 """`DSPOModule.training_step` checked against values computed by hand, sequence by sequence, on a toy Qwen2 model.
 
-Every run goes through a real Lightning `Trainer` with `EnvironmentCallback` and scripted rollouts (`dspo.testing`),
+Every run goes through a real Lightning `Trainer` with `RolloutCallback` and scripted rollouts (`dspo.testing`),
 so micro-batching, padding, bucketing, old/reference logprobs and logging are the code under test; the expected
 values are computed from the unpadded trajectories with a freshly loaded model.
 """
@@ -291,7 +291,7 @@ def test_error_messages_name_the_cause_and_the_fix(lm_dir, tmp_path, caplog):
     module = DSPOModule(ModelConfig(path=lm_dir), AlgorithmConfig(group_size=2, batch_groups=1), OptimizerConfig())
     with pytest.raises(RuntimeError) as empty:
         module.training_step(SimpleNamespace(micro_batches=[], round_batches=[]), 0)
-    assert str(empty.value) == "empty train batch: EnvironmentCallback must be in trainer.callbacks (conf/callbacks)"
+    assert str(empty.value) == "empty train batch: RolloutCallback must be in trainer.callbacks (conf/callbacks)"
     with pytest.raises(RuntimeError) as missing:
         module._rollout_correction(torch.zeros(1, 2), SimpleNamespace(engine_logprobs=None))
     assert str(missing.value) == (
@@ -300,7 +300,7 @@ def test_error_messages_name_the_cause_and_the_fix(lm_dir, tmp_path, caplog):
     with pytest.raises(RuntimeError) as detached:
         module.test_step([], 0)  # a plain list: not a RolloutDataModule batch, and nobody answered it
     assert str(detached.value) == (
-        "test: the batch carries no predictions; EnvironmentCallback (conf/callbacks) makes them at "
+        "test: the batch carries no predictions; RolloutCallback (conf/callbacks) makes them at "
         "on_test_batch_start from the RolloutDataModule's EvalSlot"
     )
 

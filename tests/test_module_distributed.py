@@ -62,14 +62,14 @@ def _ddp_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
-    from dspo.rollout.environment import RolloutEnvironment
+    from dspo.rollout.sampler import RoundSampler
     from dspo.testing import toy_run
 
     torch.set_num_threads(1)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
     os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})  # Lightning: processes already exist
     run = toy_run(lm_dir, f"{root}/rank{rank}", 3, module_cls=RankPoison, micro_batch_size=3)  # 4 sequences: 3 + 1
-    run.callback.producer.side.environment = RolloutEnvironment(run.agent, run.callback.algo, rank, WORLD)
+    run.callback.producer.side.round_sampler = RoundSampler(run.agent, run.callback.algo, rank, WORLD)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,

@@ -84,7 +84,7 @@ def test_validation_and_test_log_subem_per_benchmark_and_their_mean(lm_dir, tmp_
     datamodule.val_files, datamodule.val_sets = {"two": "-"}, {"two": sets["two"]}  # one loader: no dataloader_idx
     trainer.validate(module, datamodule=datamodule)
     assert trainer.callback_metrics["val/two/subem"] == pytest.approx(0.5)
-    with pytest.raises(RuntimeError, match="carries no predictions; EnvironmentCallback"):
+    with pytest.raises(RuntimeError, match="carries no predictions; RolloutCallback"):
         module.validation_step(EvalSlot(sets["one"]), 0)  # nobody answered it
 
 

@@ -24,7 +24,7 @@ NEEDS = [
         "fully_shard(reshard_after_forward=None), and True honoured for a root module (pytorch#155319, #154704)",
     ),
     ("transformers", "4.56", "dspo/models/__init__.py", '{"dtype": config.torch_dtype', "from_pretrained(dtype=...)"),
-    ("transformers", "4.56", "dspo/rollout/engine.py", "dtype=getattr(torch, dtype)", "from_pretrained(dtype=...)"),
+    ("transformers", "4.56", "dspo/engines/hf.py", "dtype=getattr(torch, dtype)", "from_pretrained(dtype=...)"),
 ]
 
 

@@ -3,6 +3,7 @@ check against a real training run is in tests/test_train.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -15,8 +16,10 @@ from dspo.testing import compose_config
 def test_the_record_holds_the_resolved_sections_of_the_run(record, tmp_path) -> None:
     config = record["config"]
     agent = config["rollout"]["agent"]
-    trained = (agent["tag_format"], agent["topk"], agent["max_turns"], agent["max_total_tokens"])
-    assert trained == ("searchr1", 1, 3, 1024)
+    trained = (agent["tag_format"], agent["max_turns"], agent["max_total_tokens"])
+    assert trained == ("searchr1", 3, 1024) and agent["_target_"] == "dspo.agent.tool_calling.ToolCallingAgent"
+    search = config["env"]["tools"]["search"]
+    assert search["topk"] == 1 and search["retriever"] == "${retriever}"  # the toy's top-k; the retriever follows
     assert config["retriever"]["index"] == "/c/toyworld/default/world/bm25"  # interpolations resolved
     assert config["data"]["test_files"] == {
         "toy_1hop": "/c/toyworld/default/world/test_1hop.jsonl",
@@ -33,14 +36,14 @@ def test_the_record_holds_the_resolved_sections_of_the_run(record, tmp_path) -> 
         read_model_record(tmp_path)
 
 
-EVAL_SECTIONS = ("rollout.agent", "rollout.engine", "retriever", "data", "eval.batch_size")
+EVAL_SECTIONS = ("rollout.agent", "rollout.engine", "retriever", "env", "data", "eval.batch_size")
 
 
 def test_eval_adopts_the_trained_agent_retriever_and_test_sets(record) -> None:
     overrides = ["model.path=/m"]
     cfg = compose_config("eval", overrides)
     lines = adopt(cfg, record, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
-    assert cfg.rollout.agent.tag_format == "searchr1" and cfg.rollout.agent.topk == 1
+    assert cfg.rollout.agent.tag_format == "searchr1" and cfg.env.tools.search.topk == 1
     assert cfg.retriever.index == "/c/toyworld/default/world/bm25"
     assert cfg.data.test_limit == 100 and list(cfg.data.test_files) == ["toy_1hop", "toy_2hop"]
     assert cfg.eval.batch_size == 100
@@ -49,21 +52,57 @@ def test_eval_adopts_the_trained_agent_retriever_and_test_sets(record) -> None:
 
 
 def test_command_line_overrides_win_and_agent_changes_are_warned_by_name(record) -> None:
-    overrides = ["model.path=/m", "rollout.agent.topk=3", "retriever=remote", "data=file", "data.path=q.jsonl"]
+    overrides = ["model.path=/m", "rollout.agent.max_turns=4", "env.tools.search.topk=3", "retriever=remote"]
+    overrides += ["data=file", "data.path=q.jsonl"]
     cfg = compose_config("eval", overrides)
     lines = adopt(cfg, record, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
-    assert cfg.rollout.agent.topk == 3 and cfg.rollout.agent.tag_format == "searchr1"  # the rest still adopted
+    assert cfg.rollout.agent.max_turns == 4 and cfg.rollout.agent.tag_format == "searchr1"  # the rest still adopted
+    assert cfg.env.tools.search.topk == 3 and cfg.env.reward._target_ == "dspo.env.SubEMReward"  # the record's env
     assert cfg.retriever._target_ == "dspo.search.client.RemoteRetriever" and cfg.data.path == "q.jsonl"
     assert "kept from the command line: retriever (set on the command line: retriever)" in lines[1]
     assert "data (set on the command line: data, data.path)" in lines[1]
-    (warning,) = [line for line in lines if line.startswith("WARNING")]
-    assert "rollout.agent.topk=3 differs from the trained agent's topk=1" in warning
+    agent_warning, env_warning = [line for line in lines if line.startswith("WARNING")]
+    assert "rollout.agent.max_turns=4 differs from the trained agent's max_turns=3" in agent_warning
+    assert "env.tools.search.topk=3 differs from the trained environment's 1" in env_warning
 
 
 def test_another_engine_on_the_command_line_keeps_the_trained_agent(record) -> None:
     overrides = ["model.path=/m", "rollout=hf", "eval.batch_size=7"]
     cfg = compose_config("eval", overrides)
     adopt(cfg, record, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
-    assert cfg.rollout.engine._target_ == "dspo.rollout.engine.HFEngine" and cfg.rollout.agent.tag_format == "searchr1"
+    assert cfg.rollout.engine._target_ == "dspo.engines.HFEngine" and cfg.rollout.agent.tag_format == "searchr1"
     assert cfg.eval.batch_size == 7
     assert OmegaConf.to_container(cfg.rollout.agent) == record["config"]["rollout"]["agent"]
+
+
+def older_record(record: dict) -> dict:
+    """`record` as dspo wrote it before issue 41: the agent (`AgentConfig`) held the search limits and the answer
+    guard, the environment read them from there, and the engines lived in dspo.rollout.engine."""
+    old = copy.deepcopy(record)
+    old["config"]["rollout"]["engine"]["_target_"] = "dspo.rollout.engine.VLLMEngine"
+    agent = old["config"]["rollout"]["agent"]
+    del agent["_partial_"]
+    agent.update(_target_="dspo.rollout.agent.AgentConfig", topk=1, max_queries_per_call=3, max_query_chars=512)
+    agent["max_answer_words"] = None
+    env = old["config"]["env"]
+    for key in ("topk", "max_queries_per_call", "max_query_chars"):
+        env["tools"]["search"][key] = f"${{rollout.agent.{key}}}"
+    env["reward"]["max_answer_words"] = "${rollout.agent.max_answer_words}"
+    return old
+
+
+def test_an_older_record_is_read_in_todays_terms(record, tmp_path) -> None:
+    from hydra.utils import instantiate
+
+    from dspo.agent.tool_calling import ToolCallingAgent
+
+    write_record(tmp_path, older_record(record))
+    read = read_model_record(tmp_path)
+    assert read["config"]["rollout"] == record["config"]["rollout"] and read["config"]["env"] == record["config"]["env"]
+    assert checkpoint_record({"dspo": {"run": older_record(record)}}, "x.ckpt")["config"] == record["config"]
+    overrides = ["model.path=/m"]
+    cfg = compose_config("eval", overrides)
+    adopt(cfg, read, overrides, str(tmp_path / RECORD_FILE), EVAL_SECTIONS)
+    assert instantiate(cfg.rollout.agent).func is ToolCallingAgent and cfg.env.tools.search.topk == 1
+    assert cfg.rollout.engine._target_ == "dspo.engines.VLLMEngine"
+    assert cfg.env.tools.search.retriever.index == "/c/toyworld/default/world/bm25"  # follows the adopted retriever

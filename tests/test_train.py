@@ -37,7 +37,7 @@ METRICS = [
     "rollout/sampled_reward_mean",
     "rollout/generated_tokens_total",
     "rollout/tokens_per_s",
-    "rollout/search_calls_mean",
+    "rollout/tool_calls_mean",
     "rollout/invalid_calls",
     "train/response_tokens_mean",
     "val/toy_1hop/subem",
@@ -145,7 +145,7 @@ def _check_the_model_carries_its_environment(run_dir: Path, cache: Path, tmp_pat
     assert "data.path=" in result.stdout and "(the run's first training file" in result.stdout
     assert "kept from the command line: rollout.engine" in result.stdout and "rollout.agent (" in result.stdout
     records = [json.loads(line) for line in rollouts.read_text().splitlines()]
-    assert len(records) == 4 * 5 and sum(r["num_search_calls"] for r in records) > 0
+    assert len(records) == 4 * 5 and sum(r["num_tool_calls"] for r in records) > 0
 
 
 def _check_resume_is_safe(run_dir: Path, outputs: Path, args: list[str], cache: Path) -> None:
@@ -298,7 +298,7 @@ def test_run_outlives_a_retriever_restart_then_resumes_past_a_truncated_last_ckp
     (run_dir,) = [r.dir for r in find_runs(outputs / "train")]
     last = run_dir / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=True, map_location="cpu")
-    rounds = next(v["rounds_completed"] for k, v in state["callbacks"].items() if "EnvironmentCallback" in k)
+    rounds = next(v["rounds_completed"] for k, v in state["callbacks"].items() if "RolloutCallback" in k)
     assert state["global_step"] == 6 and rounds == 3  # every step, and no round skipped or repeated
     scalars = load_scalars(run_dir)
     versions = scalars[scalars.tag == "train/policy_version"].sort_values("step").value.tolist()

@@ -92,10 +92,10 @@ def test_a_refused_record_changes_nothing_and_says_how_to_allow_it(record) -> No
 def test_an_engine_target_set_on_the_command_line_is_the_users(record) -> None:
     planted = copy.deepcopy(record)
     planted["config"]["rollout"]["engine"]["_target_"] = "os.system"
-    overrides = ["rollout.engine._target_=dspo.rollout.engine.HFEngine"]
+    overrides = ["rollout.engine._target_=dspo.engines.HFEngine"]
     cfg = compose_config("eval", overrides)
     adopt(cfg, planted, overrides, "/m/dspo_run.json", EVAL_SECTIONS)
-    assert cfg.rollout.engine._target_ == "dspo.rollout.engine.HFEngine"
+    assert cfg.rollout.engine._target_ == "dspo.engines.HFEngine"
 
 
 def test_a_record_never_turns_trust_remote_code_on(record) -> None:

@@ -126,7 +126,7 @@ class AlgorithmConfig:
 
     def check_world_size(self, world_size: int) -> None:
         """Per-rank split (issue 20): each of W processes fills B/W groups and cuts its (B/W)·G sequences into M
-        mini-batches, so both divisions must be exact. Called when the run is built (EnvironmentCallback.setup)."""
+        mini-batches, so both divisions must be exact. Called when the run is built (RolloutCallback.setup)."""
         if world_size < 1 or self.batch_groups % world_size:
             raise ValueError(
                 f"algorithm.batch_groups={self.batch_groups} must be divisible by the process count "

@@ -264,7 +264,7 @@ def effective_sample_size(seq_weights: torch.Tensor) -> torch.Tensor:
 def staleness_notice(mode: str, max_staleness: int) -> tuple[int, str] | None:
     """What to tell a user whose correction `mode` does not (fully) correct rounds sampled by weights up to
     `max_staleness` rounds old: (logging level, message), or None (k = 0, or a mode that corrects). Checked when the
-    run is built (`EnvironmentCallback`), where both keys are known."""
+    run is built (`RolloutCallback`), where both keys are known."""
     if max_staleness < 1:
         return None
     staleness = CORRECTION_MODES[mode].staleness if mode in CORRECTION_MODES else "corrects"

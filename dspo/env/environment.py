@@ -1,7 +1,7 @@
 """`Environment`: the tools an agent can call and the reward it is paid, selected by the config group `env`.
 
 `env=search` (the default) is today's setup: one search tool over the `retriever` group + the subEM reward. The agent
-loop (`dspo.rollout.agent.SearchAgent`) is the framework; an environment is the plug-in, built by Hydra from
+loop (`dspo.agent.tool_calling.ToolCallingAgent`) is the framework; an environment is the plug-in, built by Hydra from
 `_target_`s, and used by training, `dspo-eval`, `dspo-rollout`, the toy warm start and the benchmarks alike
 (`build_agent`). docs/extending.md shows a new tool and a new reward in a few lines each.
 """

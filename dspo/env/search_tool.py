@@ -1,7 +1,7 @@
 """The search tool: a `Retriever` (local BM25, the remote `/retrieve` service, or your own) behind the tool interface.
 
-Its limits are the ones the agent had before tools were plug-ins (`conf/env/search.yaml` reads them from
-`rollout.agent.topk`, `max_queries_per_call`, `max_query_chars`, so every existing override still applies). Arguments:
+Its limits (`topk`, `max_queries_per_call`, `max_query_chars`) are the environment's: `env.tools.search.topk=5`
+(they were `rollout.agent.*` until issue 41; the old keys fail naming these). Arguments:
 `query_list` (a list of strings), or a plain `query` string as Search-R1's retriever tool takes; in Search-R1's tag
 format, `<search> q </search>` is one query. All queries of all calls of a turn go to the retriever in one batch.
 """
@@ -124,7 +124,7 @@ class SearchTool(Tool):
         if topk < 1 or max_queries_per_call < 1 or max_query_chars < 1:
             raise ValueError(
                 f"search tool {name!r}: topk, max_queries_per_call and max_query_chars must be >= 1, got "
-                f"{topk}, {max_queries_per_call}, {max_query_chars} (rollout.agent.* or env.tools.{name}.*)"
+                f"{topk}, {max_queries_per_call}, {max_query_chars} (env.tools.{name}.*)"
             )
         self.retriever, self.topk = retriever, topk
         self.max_queries_per_call, self.max_query_chars = max_queries_per_call, max_query_chars

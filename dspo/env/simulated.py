@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dspo.engines.base import SamplingConfig
 from dspo.env.search_tool import SearchTool, format_passages
 from dspo.env.tools import CallContext, ToolResult
 from dspo.metrics import sub_exact_match
-from dspo.rollout.engine import SamplingConfig
 from dspo.search.base import Retriever
 from dspo.types import Passage
 
@@ -257,7 +257,7 @@ class EngineSimulator:
 
     Args (config keys `env.tools.search.simulator.<key>`):
     model_path: a local model directory (a ZeroSearch simulator, any instruct model).
-    engine: a partial engine constructor taking `model_path` (`dspo.rollout.engine.VLLMEngine` / `HFEngine` with
+    engine: a partial engine constructor taking `model_path` (`dspo.engines.VLLMEngine` / `HFEngine` with
         `_partial_: true`, as `rollout.engine`), or a built engine; None = HFEngine on CPU. Built on first use.
     useful_prompt, noisy_prompt: templates with `{query}` and optionally `{question}`, `{answers}`.
     max_new_tokens, temperature: sampling of a document. seed: of the simulator's sampling (mixed with each batch's
@@ -333,7 +333,7 @@ def _document_id(query: SimulatedQuery, slot: int) -> str:
 
 
 def _default_engine(model_path: str):
-    from dspo.rollout.engine import HFEngine
+    from dspo.engines import HFEngine
 
     return HFEngine(model_path=model_path)
 

@@ -182,21 +182,22 @@ def load_eval_sets(data_cfg: Any, limit: int | None) -> dict[str, list[QAItem]]:
     return sets
 
 
-def build_agent(rollout_cfg: Any, model_path: str, env: Any) -> Any:
+def build_engine_and_agent(rollout_cfg: Any, model_path: str, env: Any) -> Any:
     """Engine (`rollout.engine`, a partial taking model_path) + a built environment (`env`: tools + reward) +
     `rollout.agent` → agent.
 
     The environment is built first by the caller (a missing index fails in a second, not after the engine's start);
-    the engine hides what breaks vLLM's kernel scan (`dspo.rollout.engine._hide_modules_breaking_vllm`)."""
+    the engine hides what breaks vLLM's kernel scan (`dspo.engines.vllm._hide_modules_breaking_vllm`)."""
     from hydra.utils import instantiate
 
-    from dspo.rollout.agent import SearchAgent
+    from dspo.agent import build_agent, check_agent_settings
 
+    agent = instantiate(rollout_cfg.agent)
+    check_agent_settings(agent)  # before the engine starts
     engine = instantiate(rollout_cfg.engine, model_path=model_path)
     if isinstance(engine, functools.partial):
         engine = engine()
-    agent_config = instantiate(rollout_cfg.agent)
-    return SearchAgent(engine, engine.tokenizer, env, agent_config)
+    return build_agent(agent, engine=engine, tokenizer=engine.tokenizer, env=env)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -276,7 +277,7 @@ def log_tensorboard(log_dir: Path, table: dict[str, dict[str, float]], step: int
     writer = SummaryWriter(str(log_dir))
     try:
         for name, row in table.items():
-            for key in ("subem", "em", "f1", "mean_search_calls", "mean_turns"):
+            for key in ("subem", "em", "f1", "mean_tool_calls", "mean_turns"):
                 writer.add_scalar(f"{stage}/{name}/{key}", row[key], step)
         writer.add_text(f"{stage}/results", markdown_table(table), step)
     finally:
@@ -300,7 +301,7 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
     env = instantiate(cfg.env)  # tools (the search tool's retriever) + reward, before the model loads
     with tempfile.TemporaryDirectory(prefix="dspo-eval-") as scratch:
         model_path, step = resolve_model(cfg, Path(scratch))
-        agent = build_agent(cfg.rollout, model_path, env)
+        agent = build_engine_and_agent(cfg.rollout, model_path, env)
         predictions = []
         for name, items in sets.items():
             predictions += predict(

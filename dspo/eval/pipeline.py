@@ -15,24 +15,17 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from torchmetrics import MetricCollection
 
+from dspo.agent.protocol import Agent
 from dspo.metric_collections import benchmark_metrics
 from dspo.metrics import exact_match, sub_exact_match, token_f1
 from dspo.types import QAItem, RolloutGroup
 
-RESULT_KEYS = ("subem", "em", "f1", "n", "mean_search_calls", "mean_turns")
+RESULT_KEYS = ("subem", "em", "f1", "n", "mean_tool_calls", "mean_turns")
 AVERAGE = "average"  # the row of results.json / results.md holding the macro average over benchmarks (paper's Avg.)
-
-
-class RolloutAgent(Protocol):
-    """What `predict` needs from `dspo.rollout.agent.SearchAgent`."""
-
-    def rollout(
-        self, items: Sequence[QAItem], group_size: int, policy_version: int = 0, greedy: bool = False
-    ) -> list[RolloutGroup]: ...
 
 
 @dataclass
@@ -48,7 +41,7 @@ class Prediction:
     em: float
     f1: float
     num_turns: int
-    num_search_calls: int
+    num_tool_calls: int
     truncated: bool = False
     response: str = field(default="", repr=False)  # full response text (model and tool turns), for error analysis
 
@@ -68,14 +61,14 @@ class Prediction:
             em=exact_match(answer, item.golden_answers),
             f1=token_f1(answer, item.golden_answers),
             num_turns=trajectory.num_turns,
-            num_search_calls=trajectory.num_search_calls,
+            num_tool_calls=trajectory.num_tool_calls,
             truncated=trajectory.truncated,
             response=trajectory.response_text,
         )
 
 
 def predict(
-    agent: RolloutAgent,
+    agent: Agent,
     items: Sequence[QAItem],
     batch_size: int,
     policy_version: int = 0,
@@ -89,7 +82,7 @@ def predict(
     predictions: list[Prediction] = []
     bar = _progress(len(items), description) if progress else None
     for batch in batches:
-        groups = agent.rollout(batch, group_size=1, policy_version=policy_version, greedy=True)
+        groups = agent.rollout(batch, group_size=1, policy_version=policy_version, greedy=True).groups
         if [g.item.id for g in groups] != [i.id for i in batch]:
             raise RuntimeError(
                 f"predict: agent returned groups for {[g.item.id for g in groups]}, asked for {[i.id for i in batch]}"
@@ -121,7 +114,7 @@ def update_metrics(metrics: dict[str, MetricCollection], predictions: Iterable[P
 
 
 def score(predictions: Sequence[Prediction], stage: str = "test") -> dict[str, dict[str, float]]:
-    """{benchmark: {subem, em, f1, n, mean_search_calls, mean_turns}}, benchmarks in first-seen order."""
+    """{benchmark: {subem, em, f1, n, mean_tool_calls, mean_turns}}, benchmarks in first-seen order."""
     names = list(dict.fromkeys(p.benchmark for p in predictions))
     metrics = benchmark_metrics(names, stage=stage)
     update_metrics(metrics, predictions)
@@ -136,7 +129,7 @@ def score(predictions: Sequence[Prediction], stage: str = "test") -> dict[str, d
             "em": exact["em"],
             "f1": exact["f1"],
             "n": len(group),
-            "mean_search_calls": sum(p.num_search_calls for p in group) / len(group),
+            "mean_tool_calls": sum(p.num_tool_calls for p in group) / len(group),
             "mean_turns": sum(p.num_turns for p in group) / len(group),
         }
     return results
@@ -162,7 +155,7 @@ def markdown_table(results: dict[str, dict[str, float]]) -> str:
         label = f"**{name}**" if name == AVERAGE else name
         lines.append(
             f"| {label} | {int(row['n'])} | {100 * row['subem']:.1f} | {100 * row['em']:.1f} | {100 * row['f1']:.1f} "
-            f"| {row['mean_search_calls']:.2f} | {row['mean_turns']:.2f} |"
+            f"| {row['mean_tool_calls']:.2f} | {row['mean_turns']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -29,7 +29,7 @@ RECORD_FIELDS = (
     "reward_components",
     "tool_calls",
     "num_turns",
-    "num_search_calls",
+    "num_tool_calls",
     "num_invalid_calls",
     "truncated",
     "policy_version",
@@ -92,8 +92,8 @@ def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) ->
     (the command line's) win over the settings a dspo-trained model records."""
     from transformers import AutoTokenizer
 
+    from dspo.agent import build_agent, check_agent_settings
     from dspo.data.qa import load_qa
-    from dspo.rollout.agent import SearchAgent
     from dspo.trust import import_modules
 
     model_path = _require_path(cfg.model.path, "model.path", "directory")
@@ -107,17 +107,19 @@ def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) ->
     tokenizer_path = cfg.model.tokenizer or model_path
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     env = instantiate(cfg.env)  # tools + reward (conf/env/), before the engine starts
+    agent = instantiate(cfg.rollout.agent)
+    check_agent_settings(agent)  # before the engine starts
     engine = instantiate(cfg.rollout.engine)(model_path=str(model_path))
-    agent = SearchAgent(engine, tokenizer, env, instantiate(cfg.rollout.agent))
-    groups = agent.rollout(
+    agent = build_agent(agent, engine=engine, tokenizer=tokenizer, env=env)
+    result = agent.rollout(
         items, group_size=cfg.group_size, policy_version=cfg.policy_version, greedy=cfg.greedy, seed=cfg.seed
     )
     output = Path(str(cfg.output)).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w", encoding="utf-8") as handle:
-        for record in trajectory_records(groups):
+        for record in trajectory_records(result.groups):
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    stats = ", ".join(f"{k}={v:.3g}" for k, v in agent.last_stats.items())
+    stats = ", ".join(f"{k}={v:.3g}" for k, v in result.stats.items())
     print(f"dspo-rollout: wrote {len(items) * cfg.group_size} trajectories to {output}\n{stats}")
     return output
 

@@ -2,8 +2,9 @@
 
 `serve` is the spawned process's entry point: it watches its trainer (`_exit_with_the_trainer`), imports the run's
 `imports=`, pins its cores and threads, connects the weight transport, builds the environment, engine and agent
-(`EngineSide`), reports "ready" and runs the loop: load weights between rounds, answer predictions, produce rounds
-within the staleness bound. Everything it raises reaches the trainer as an "error" message with its traceback.
+(`EngineSide`), reports `Ready` and runs the loop: load weights between rounds, answer predictions, produce rounds
+within the staleness bound. Everything it raises reaches the trainer as a `Failed` reply with its traceback (the
+messages: `dspo.rollout.messages`).
 """
 
 from __future__ import annotations
@@ -20,25 +21,20 @@ from dataclasses import replace
 import torch
 
 from dspo.rollout.faults import fault_point
+from dspo.rollout.messages import Command, Failed, LoadWeights, Predict, Predictions, Ready, RoundDone, Stop
 from dspo.rollout.transfer import parent_alive
 from dspo.rollout.worker import POLL_S, SampledRound, WorkerSpec, round_seed
 from dspo.runtime import end_process
-
-
-def _search_agent(engine, spec: WorkerSpec):
-    from dspo.models import load_tokenizer
-    from dspo.rollout.agent import SearchAgent
-
-    return SearchAgent(engine, load_tokenizer(spec.model), spec.env, spec.agent)
 
 
 class EngineSide:
     """The engine process's loop: load weights between rounds, serve predictions, produce rounds within the bound."""
 
     def __init__(self, spec: WorkerSpec, sampler, keep_rate: float | None, first_round: int, channels) -> None:
+        from dspo.agent import build_agent
         from dspo.env import Environment, check_credit_fits
         from dspo.env.spec import built
-        from dspo.rollout.environment import RolloutEnvironment
+        from dspo.rollout.sampler import RoundSampler
 
         env = built(spec.env)  # here, not in the trainer: an in-memory index is not copied into this process
         if isinstance(env, Environment):
@@ -47,10 +43,10 @@ class EngineSide:
         self.spec, self.sampler, self.next_round = spec, sampler, first_round
         self.commands, self.results, self.transfer = channels
         self.engine = spec.engine(model_path=spec.model.path)
-        self.agent = (spec.build_agent or _search_agent)(self.engine, spec)
-        self.environment = RolloutEnvironment(self.agent, spec.algorithm, spec.rank, spec.world_size)
+        self.agent = build_agent(spec.agent, engine=self.engine, tokenizer=_tokenizer(spec), env=env)
+        self.round_sampler = RoundSampler(self.agent, spec.algorithm, spec.rank, spec.world_size)
         if keep_rate is not None:
-            self.environment.keep_rate_estimate = float(keep_rate)
+            self.round_sampler.keep_rate_estimate = float(keep_rate)
         self.loaded_round: int | None = None  # completed rounds of the weights in the engine (None: none pushed yet)
         self.loaded_version: int | None = None  # optimizer steps of those weights (the first push always loads)
         self.progress = (0, 1)
@@ -79,7 +75,7 @@ class EngineSide:
                         return
                     continue
                 self._produce()
-            elif command[0] == "stop":
+            elif isinstance(command, Stop):
                 return
             else:
                 self._handle(command)
@@ -94,20 +90,22 @@ class EngineSide:
             if block:
                 self.idle_s += time.perf_counter() - start
 
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "weights":
-            _, sequence, self.progress = command
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, LoadWeights):
+            self.progress = command.progress
             # unchanged weights (a skipped step, a repeat) are not loaded again: the round count only
-            self.loaded_round, self.loaded_version = self.transfer.receive(sequence, self._load, self.loaded_version)
-        elif kind == "predict":
+            self.loaded_round, self.loaded_version = self.transfer.receive(
+                command.sequence, self._load, self.loaded_version
+            )
+        elif isinstance(command, Predict):
             from dspo.eval.pipeline import predict
 
-            _, tag, items, version = command
-            answers = predict(self.agent, items, self.spec.eval_batch_size, policy_version=version, progress=False)
-            self.results.put(("predictions", tag, answers))
+            answers = predict(
+                self.agent, command.items, self.spec.eval_batch_size, policy_version=command.version, progress=False
+            )
+            self.results.put(Predictions(command.tag, answers))
         else:
-            raise ValueError(f"engine process: unknown command {kind!r}")
+            raise ValueError(f"engine process: unknown command {command!r}")
 
     def _load(self, named: list, version: int) -> None:
         def handed_over():
@@ -125,13 +123,22 @@ class EngineSide:
             env.on_progress(*self.progress)
         started = time.time()
         fault_point("engine.generating")
-        groups, stats = self.environment.sample_round(
+        groups, stats = self.round_sampler.sample_round(
             self.sampler, policy_version=self.loaded_round, seed=round_seed(self.spec.seed, r)
         )
-        end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.environment.keep_rate_estimate}
+        end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.round_sampler.keep_rate_estimate}
         timing = {"idle_s": self.idle_s, "generation": (started, time.time())}
-        self.results.put(("round", SampledRound(r, groups, stats, self.loaded_round, end_state, **timing)))
+        self.results.put(RoundDone(SampledRound(r, groups, stats, self.loaded_round, end_state, **timing)))
         self.next_round, self.idle_s = r + 1, 0.0
+
+
+def _tokenizer(spec: WorkerSpec):
+    """The trainer's tokenizer, as it sent it (else loaded from the model config, as the trainer does)."""
+    if spec.tokenizer is not None:
+        return spec.tokenizer
+    from dspo.models import load_tokenizer
+
+    return load_tokenizer(spec.model)
 
 
 def _exit_with_the_trainer(trainer_alive) -> None:
@@ -168,12 +175,12 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
         import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
         channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
         side = EngineSide(spec, sampler, keep_rate, first_round, channels)
-        results.put(("ready", os.getpid(), side.credit))
+        results.put(Ready(os.getpid(), side.credit))
         side.run()
         # rounds nobody will take may fill the pipe: without this, exiting waits for the trainer to read them
         results.cancel_join_thread()
     except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint
-        results.put(("error", traceback.format_exc()))
+        results.put(Failed(traceback.format_exc()))
     # without the interpreter's teardown (dspo.runtime.run_command): with vLLM it outlasted the trainer's 2 s wait in
     # `EngineProcess.close`, so every run's end waited 2 s and then killed the engine process (measured)
     end_process(0)

@@ -3,7 +3,8 @@
 Both answer the same calls: `push` (the policy's weights, when they changed), `generate` (round r's kept groups, their
 statistics and when they were generated), `predict` (greedy answers at the current weights), `sleep` / `wake` (the
 CUDA engine's memory during the update) and `close`. The weight version the engine holds is not theirs: it is
-`RoundState.engine_version`, the producer's one round/version state, which they read and advance.
+`RoundState.engine_version`, the producer's one round/version state, which they read and advance. What they need of
+the trainer comes as a `TrainerLink` (plain values and callables): no Lightning here.
 """
 
 from __future__ import annotations
@@ -11,58 +12,34 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from dspo.models.weights import policy_weights
-from dspo.rollout.environment import RolloutEnvironment
+from dspo.rollout.link import TrainerLink, on_every_rank
 from dspo.rollout.placement import colocated_device, engine_devices_for, share_the_cpu
+from dspo.rollout.sampler import RoundSampler
 from dspo.rollout.transfer import check_transfer
 from dspo.rollout.worker import EngineProcess, WorkerSpec, round_seed
 
 log = logging.getLogger(__name__)
 
 
-def module_root(trainer, pl_module):
-    """The module whose parameters the strategy holds (FSDP's wrapped root gathers full parameters)."""
-    return trainer.strategy.model if trainer.strategy.model is not None else pl_module
-
-
-def on_every_rank(trainer, what: str, call: Callable[[], Any]) -> Any:
-    """`call()`, its failure agreed on by every rank (one collective): a rank that raised alone would leave the others
-    waiting in the next collective (the gradient all-reduce, a barrier) until the job's walltime."""
-    failure = None
-    try:
-        result = call()
-    except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
-        failure = error
-    if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(failure is None, all=True):
-        raise failure or RuntimeError(f"another rank failed while {what} (its engine process or transfer); see its log")
-    if failure is not None:
-        raise failure
-    return result
-
-
 class LocalEngine:
     """max_staleness 0: the engine, the agent and the group filter in this process; a round is generated when training
     asks for it, by the weights after the previous round's last optimizer step (strictly on-policy)."""
 
-    def __init__(self, engine: Any, agent: Any, environment: RolloutEnvironment) -> None:
-        self.engine, self.agent, self.environment = engine, agent, environment
+    def __init__(self, engine: Any, agent: Any, round_sampler: RoundSampler) -> None:
+        self.engine, self.agent, self.round_sampler = engine, agent, round_sampler
 
     @classmethod
     def build(cls, spec: WorkerSpec, tokenizer: Any) -> LocalEngine:
-        from dspo.rollout.agent import SearchAgent
+        from dspo.agent import build_agent
 
         engine = spec.engine(model_path=spec.model.path)
-        if spec.build_agent is not None:
-            agent = spec.build_agent(engine, spec)
-        else:
-            agent = SearchAgent(engine, tokenizer, spec.env, spec.agent)
-        return cls(engine, agent, RolloutEnvironment(agent, spec.algorithm, spec.rank, spec.world_size))
+        agent = build_agent(spec.agent, engine=engine, tokenizer=tokenizer, env=spec.env)
+        return cls(engine, agent, RoundSampler(agent, spec.algorithm, spec.rank, spec.world_size))
 
     @property
     def credit(self) -> str:
@@ -70,30 +47,30 @@ class LocalEngine:
 
     @property
     def keep_rate_estimate(self) -> float | None:
-        return getattr(self.environment, "keep_rate_estimate", None)
+        return getattr(self.round_sampler, "keep_rate_estimate", None)
 
     @keep_rate_estimate.setter
     def keep_rate_estimate(self, value: float | None) -> None:
-        if self.environment is not None and value is not None:  # the filter always has a prior of its own
-            self.environment.keep_rate_estimate = float(value)
+        if self.round_sampler is not None and value is not None:  # the filter always has a prior of its own
+            self.round_sampler.keep_rate_estimate = float(value)
 
-    def push(self, trainer, pl_module, state, sampler=None) -> None:
+    def push(self, link: TrainerLink, state, sampler=None) -> None:
         """Algorithm 1 step 1: push the policy into the engine if it changed (gathers full params under FSDP).
 
         "Changed" means the module's count of applied optimizer steps moved: a skipped (non-finite) step leaves the
         weights, hence the engine, as they were, and the next round is sampled from them."""
         self.wake()
-        version = pl_module.weights_version
+        version = link.weights_version()
         if state.engine_version == version:
             return
-        self.engine.push_weights(policy_weights(module_root(trainer, pl_module)), version=version)
+        self.engine.push_weights(link.weights(), version=version)
         state.engine_version = version
 
-    def generate(self, trainer, pl_module, state, sampler, seed: int):
+    def generate(self, link: TrainerLink, state, sampler, seed: int):
         """Round `state.completed`: push the policy if it changed, then generate here, now."""
         started, round_index = time.time(), state.completed
-        self.push(trainer, pl_module, state)
-        weights = pl_module.weights_version
+        self.push(link, state)
+        weights = link.weights_version()
         if getattr(self.engine, "version", weights) != weights:
             raise RuntimeError(
                 f"engine holds weights after {self.engine.version} optimizer steps, the policy after {weights}; "
@@ -101,12 +78,9 @@ class LocalEngine:
             )
         env = getattr(self.agent, "env", None)
         if env is not None:  # curricula (a simulator's growing noise) read where training is
-            env.on_progress(trainer.global_step, trainer.max_steps)
-        groups, stats = self.environment.sample_round(
-            sampler,
-            policy_version=round_index,
-            seed=round_seed(seed, round_index),
-            all_done=lambda done: trainer.strategy.reduce_boolean_decision(done, all=True),
+            env.on_progress(*link.progress())
+        groups, stats = self.round_sampler.sample_round(
+            sampler, policy_version=round_index, seed=round_seed(seed, round_index), all_done=link.all_true
         )
         return groups, stats, (started, time.time())
 
@@ -147,36 +121,35 @@ class EngineProcessSide:
             return self.worker.credit
         return getattr(self.spec.env, "credit", "trajectory")
 
-    def push(self, trainer, pl_module, state, sampler=None) -> None:
+    def push(self, link: TrainerLink, state, sampler=None) -> None:
         """`_push` on every rank: one rank's failure (its engine process died, a transfer failed) raises on all of them
         instead of leaving the others waiting in the next collective."""
-        weights = self._gathered(trainer, pl_module, state)
-        on_every_rank(trainer, "pushing weights", lambda: self._push(trainer, pl_module, state, sampler, weights))
+        weights = self._gathered(link, state)
+        on_every_rank(link, "pushing weights", lambda: self._push(link, state, sampler, weights))
 
-    def _gathered(self, trainer, pl_module, state) -> list | None:
+    def _gathered(self, link: TrainerLink, state) -> list | None:
         """The policy's full weights when they changed (or the engine process is not started), else None. Under FSDP
         this is an all-gather, so it stays outside `on_every_rank`'s call: a rank failing inside it would leave the
         others in the gather, not at the vote."""
-        if state.engine_version != pl_module.weights_version or self.worker is None:
-            return list(policy_weights(module_root(trainer, pl_module)))
+        if state.engine_version != link.weights_version() or self.worker is None:
+            return list(link.weights())
         return None
 
-    def _push(self, trainer, pl_module, state, sampler, weights: list | None) -> None:
+    def _push(self, link: TrainerLink, state, sampler, weights: list | None) -> None:
         """Start the engine process on first use, then send the policy (only when it changed; the completed-round
         count, which moves the staleness bound, always)."""
-        version = pl_module.weights_version
+        version = link.weights_version()
         if self.worker is None:
-            self.worker = EngineProcess(self._spec(trainer))
-            fitting = trainer.training or getattr(trainer.state, "fn", None) == "fit"
+            self.worker = EngineProcess(self._spec(link))
             # evaluation only: no rounds to produce
-            self.worker.start(sampler if fitting else None, self.keep_rate_estimate, state.completed, weights)
-        self.worker.push_weights(weights, state.completed, version, (trainer.global_step, trainer.max_steps))
+            self.worker.start(sampler if link.fitting() else None, self.keep_rate_estimate, state.completed, weights)
+        self.worker.push_weights(weights, state.completed, version, link.progress())
         state.engine_version = version
 
-    def _spec(self, trainer) -> WorkerSpec:
-        local = max(1, trainer.world_size // max(trainer.num_nodes, 1))
-        devices = engine_devices_for(self.engine_devices, trainer.local_rank, local)
-        cuda = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
+    def _spec(self, link: TrainerLink) -> WorkerSpec:
+        local = link.local_world_size
+        devices = engine_devices_for(self.engine_devices, link.local_rank, local)
+        cuda = getattr(link.device, "type", "cpu") == "cuda"
         engine_on_gpu = cuda or devices is not None
         engine_threads, cores, self._saved_cpu = share_the_cpu(
             self.engine_cores, self.engine_threads, local, engine_on_cpu=not engine_on_gpu
@@ -187,24 +160,23 @@ class EngineProcessSide:
             log.info("weights go through host memory; rollout.weight_transfer=nccl sends them GPU to GPU")
         return replace(
             self.spec,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
+            rank=link.rank,
+            world_size=link.world_size,
             threads=engine_threads,
             cores=cores,
-            visible_devices=devices
-            or colocated_device(trainer.strategy.root_device, os.environ.get("CUDA_VISIBLE_DEVICES")),
+            visible_devices=devices or colocated_device(link.device, os.environ.get("CUDA_VISIBLE_DEVICES")),
         )
 
-    def generate(self, trainer, pl_module, state, sampler, seed: int):
+    def generate(self, link: TrainerLink, state, sampler, seed: int):
         """The round the engine process generated (up to max_staleness rounds ago); every rank fails together."""
         round_index = state.completed
-        weights = self._gathered(trainer, pl_module, state)
+        weights = self._gathered(link, state)
 
         def push_and_take():
-            self._push(trainer, pl_module, state, sampler, weights)
+            self._push(link, state, sampler, weights)
             return self.worker.take_round(round_index)
 
-        sampled, waited = on_every_rank(trainer, f"taking round {round_index}", push_and_take)
+        sampled, waited = on_every_rank(link, f"taking round {round_index}", push_and_take)
         sampler.load_state_dict(sampled.end_state["sampler"])  # what a checkpoint saves: round r+1's start
         self.keep_rate_estimate = sampled.end_state["keep_rate_estimate"]
         stats = dict(sampled.stats)

@@ -1,10 +1,11 @@
 """How the policy's weights reach the engine process (`rollout.weight_transfer`; issue 28, point 3).
 
-Two transports, one protocol. After every round the trainer calls `send(weights or None, completed_rounds, version, n)`
-for its n-th push (None: unchanged weights, a skipped step; the round count, which moves the staleness bound, still
-travels) and then puts a ("weights", n, progress) command on the engine process's queue; between two rounds the engine
-process calls `receive(sequence number, load, loaded_version)`, which loads the newest weights into its engine if their
-version differs from what it holds, and returns their completed-round count. Neither side waits for the other's round:
+Two transports, one protocol (`WeightTransport`). After every round the trainer calls `send(weights or None,
+completed_rounds, version, n)` for its n-th push (None: unchanged weights, a skipped step; the round count, which moves
+the staleness bound, still travels) and then puts a `LoadWeights(n, progress)` command on the engine process's queue;
+between two rounds the engine process calls `receive(sequence number, load, loaded_version)`, which loads the newest
+weights into its engine if their version differs from what it holds, and returns their completed-round count. Neither
+side waits for the other's round:
 
 - `shared_memory` (default): `share_memory_()` host tensors allocated at the first push and written under a lock with
   a header [completed rounds, optimizer steps]. On a GPU box this is a device-to-host copy per push.
@@ -45,7 +46,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -62,6 +63,33 @@ _TIMEOUT = datetime.timedelta(hours=24)
 Named = list[tuple[str, torch.Tensor]]
 Loader = Callable[[Named, int], None]  # (named tensors, optimizer-step version) -> loads them into the engine
 Alive = Callable[[], bool]  # whether the other side of the transfer still runs
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """What both transports implement: the trainer's end (`allocate`, `connect_trainer`, `send`), the engine
+    process's end (`connect_engine`, `receive`), and `close` on either. One object is made in the trainer and pickled
+    into the engine process at spawn, so both ends share it."""
+
+    def allocate(self, named: Named) -> None:
+        """Trainer: buffers from the first weights (their names, shapes and dtypes), before the spawn."""
+
+    def connect_trainer(self, peer_alive: Alive = ...) -> None:
+        """Trainer, after the spawn: join the engine process (`peer_alive`: whether it still runs)."""
+
+    def send(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | None, completed: int, version: int, sequence: int
+    ) -> None:
+        """Trainer: push number `sequence` (None: unchanged weights, the round count only)."""
+
+    def connect_engine(self) -> None:
+        """Engine process, at its start: join the trainer."""
+
+    def receive(self, sequence: int, load: Loader, loaded_version: int | None) -> tuple[int, int]:
+        """Engine process: (completed rounds, version) of push `sequence`, loaded through `load` if new."""
+
+    def close(self) -> None:
+        """Release buffers, threads and groups."""
 
 
 class PeerGone(RuntimeError):
@@ -367,9 +395,7 @@ def verified_header(secret: str, sequence: int, value: str) -> tuple[int, int, i
     return completed, version, changed
 
 
-def make_transfer(
-    kind: str, ctx, engine_device: str = "cpu", wire_dtype: torch.dtype | None = None
-) -> SharedMemoryTransfer | CollectiveTransfer:
+def make_transfer(kind: str, ctx, engine_device: str = "cpu", wire_dtype: torch.dtype | None = None) -> WeightTransport:
     """The trainer's end of `rollout.weight_transfer` (`wire_dtype`: the engine's dtype, for the collective ones)."""
     if kind == "shared_memory":
         return SharedMemoryTransfer(ctx)

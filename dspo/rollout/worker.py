@@ -1,7 +1,7 @@
 """The engine in its own process: rounds generated up to `max_staleness` rounds ahead of training (issue 28).
 
 With `rollout.max_staleness = k >= 1` the trainer process no longer generates. A spawned *engine process* builds the
-engine, the agent and the group filter (`RolloutEnvironment`) from a picklable `WorkerSpec`, owns the prompt sampler,
+engine, the agent and the group filter (`RoundSampler`) from a picklable `WorkerSpec`, owns the prompt sampler,
 and produces round after round into a queue while the trainer updates. Three rules keep it bounded and reproducible:
 
 - **One behaviour policy per round.** Weights are loaded only between rounds (as verl's one-step-off and fully-async
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from dspo.rollout.faults import fault_point
+from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, Reply, RoundDone, Stop
 from dspo.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class WorkerSpec:
     """Everything the engine process builds its side from (pickled once, at spawn)."""
 
     engine: Callable[..., Any]  # partial constructor taking model_path (conf/rollout/*.yaml `engine`)
-    agent: Any  # AgentConfig
+    agent: Any  # rollout.agent: the agent's constructor (dspo.agent.build_agent completes it: engine, tokenizer, env)
     env: Any  # dspo.env.Environment, its EnvironmentSpec (built where the agent runs), or a bare retriever
     algorithm: Any  # AlgorithmConfig
     model: Any  # ModelConfig
@@ -80,7 +81,7 @@ class WorkerSpec:
     cores: list[int] | None = None  # CPU affinity of the engine process (None: inherit)
     eval_batch_size: int = 64
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the engine process (None: the rank's own)
-    build_agent: Callable[..., Any] | None = None  # (engine, spec) -> agent; None: dspo's SearchAgent
+    tokenizer: Any = None  # the trainer's tokenizer, for the agent (None: the engine process loads `model`'s)
     weight_transfer: str = "shared_memory"  # rollout.weight_transfer (dspo.rollout.transfer)
     imports: tuple[str, ...] = ()  # the run's `imports=`: user modules imported in the engine process before building
 
@@ -91,7 +92,7 @@ class SampledRound:
 
     index: int  # round r
     groups: list[RolloutGroup]  # [B / world] kept groups
-    stats: dict[str, float]  # RolloutEnvironment.sample_round's statistics
+    stats: dict[str, float]  # RoundSampler.sample_round's statistics
     weights_round: int  # completed rounds of the weights that sampled it (= every trajectory's policy_version)
     end_state: dict[str, Any] = field(default_factory=dict)  # sampler + keep-rate prior after it: round r+1's start
     idle_s: float = 0.0  # time the engine process waited for weights before starting it
@@ -176,9 +177,9 @@ class EngineProcess:
         # Registered after that hook, this one runs first.
         atexit.register(self._end_at_exit)
         message = self._wait("the engine to start")
-        if message[0] != "ready":
-            raise EngineProcessError(f"unexpected {message[0]!r} from the engine process while it started")
-        self.pid, self.credit = message[1], message[2]
+        if not isinstance(message, Ready):
+            raise EngineProcessError(f"unexpected {type(message).__name__} from the engine process while it started")
+        self.pid, self.credit = message.pid, message.credit
         self.transfer.connect_trainer(self.process.is_alive)
 
     def push_weights(
@@ -202,7 +203,7 @@ class EngineProcess:
                 ) from error
             raise
         self._pushes += 1
-        self.commands.put(("weights", self._pushes, progress))
+        self.commands.put(LoadWeights(self._pushes, progress))
 
     def take_round(self, index: int) -> tuple[SampledRound, float]:
         """Round `index` and the seconds the trainer waited for it."""
@@ -210,11 +211,11 @@ class EngineProcess:
         start = time.perf_counter()
         while index not in self._ready:
             message = self._wait(f"round {index}")
-            if message[0] != "round":
+            if not isinstance(message, RoundDone):
                 raise EngineProcessError(
-                    f"unexpected {message[0]!r} from the engine process while waiting for round {index}"
+                    f"unexpected {type(message).__name__} from the engine process while waiting for round {index}"
                 )
-            self._ready[message[1].index] = message[1]
+            self._ready[message.sampled.index] = message.sampled
         sampled = self._ready.pop(index)
         staleness = index - sampled.weights_round
         if not 0 <= staleness <= self.spec.max_staleness:
@@ -228,18 +229,18 @@ class EngineProcess:
         """Greedy predictions at the weights last pushed (served between rounds)."""
         self._predictions += 1
         tag = self._predictions
-        self.commands.put(("predict", tag, list(items), version))
+        self.commands.put(Predict(tag, list(items), version))
         while True:
             message = self._wait("predictions")
-            if message[0] == "predictions" and message[1] == tag:
-                return message[2]
-            if message[0] != "round":
+            if isinstance(message, Predictions) and message.tag == tag:
+                return message.answers
+            if not isinstance(message, RoundDone):
                 raise EngineProcessError(
-                    f"unexpected {message[0]!r} from the engine process while waiting for predictions"
+                    f"unexpected {type(message).__name__} from the engine process while waiting for predictions"
                 )
-            self._ready[message[1].index] = message[1]
+            self._ready[message.sampled.index] = message.sampled
 
-    def _wait(self, what: str) -> tuple:
+    def _wait(self, what: str) -> Reply:
         """The next message; raises if the process reported an error or died."""
         while True:
             try:
@@ -254,9 +255,9 @@ class EngineProcess:
                         "rollout.engine.kv_cache_space_gb or algorithm.max_prompts_per_call"
                     ) from None
                 continue
-            if message[0] == "error":
+            if isinstance(message, Failed):
                 raise EngineProcessError(
-                    f"the engine process failed while the trainer waited for {what}:\n{message[1]}"
+                    f"the engine process failed while the trainer waited for {what}:\n{message.traceback}"
                 )
             return message
 
@@ -266,7 +267,7 @@ class EngineProcess:
         if self.process is None:
             return
         with contextlib.suppress(Exception):
-            self.commands.put(("stop",))
+            self.commands.put(Stop())
         deadline = time.perf_counter() + timeout_s
         while self.process.is_alive() and time.perf_counter() < deadline:
             self._drain()  # unread rounds in the pipe would keep the engine process's exit waiting on them

@@ -27,7 +27,7 @@ ANSWER_TYPE = {"born_in": "city", "founded_by": "person", "country": "country", 
 RELATION_PHRASE = {"born_in": "birthplace", "founded_by": "founder", "country": "country", "capital": "capital"}
 RELATION_PHRASE |= {"city": "city"}
 _NAME = re.compile(r"[A-Z][a-z]+(?: [A-Z][a-z]+)*")
-_DOC_HEADER = re.compile(r"Doc \d+ \(Title: [^)]*\)\s*")  # the agent's passage prefix (dspo.rollout.agent)
+_DOC_HEADER = re.compile(r"Doc \d+ \(Title: [^)]*\)\s*")  # the agent's passage prefix (dspo.agent.tool_calling)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
@@ -56,7 +56,7 @@ class ScriptedPolicy:
     world: dict[str, dict]
     kind: str
     rng: random.Random
-    tag_format: str = "qwen"  # AgentConfig.tag_format: "qwen" (<tool_call> JSON) or "searchr1" (<search> q </search>)
+    tag_format: str = "qwen"  # rollout.agent.tag_format: "qwen" (<tool_call> JSON) or "searchr1" (<search> q </search>)
     # env=two_sources (dspo.toy.sources): {tool: entity types its source holds}; each hop asks the source holding its
     # page with probability `right_tool_share`, else another one (whose results then lack the fact). None: `search`
     sources: dict | None = None

@@ -63,9 +63,9 @@ TWO_HOP_OUTCOMES = (
 def two_hop_outcome(trajectory: Trajectory, intermediate: str) -> str:
     """Which of TWO_HOP_OUTCOMES a 2-hop rollout is: how many searches it made, and for one search, whether it answered
     the intermediate entity (`intermediate`, the name the first hop leads to: what a model that stops early answers)."""
-    if trajectory.num_search_calls == 0:
+    if trajectory.num_tool_calls == 0:
         return "no_search"
-    if trajectory.num_search_calls == 1:
+    if trajectory.num_tool_calls == 1:
         stopped_early = trajectory.answer is not None and trajectory.answer.strip() == intermediate
         return "one_search_answered_intermediate" if stopped_early else "one_search_other"
     return "two_searches_right" if trajectory.reward > 0 else "two_searches_wrong"
@@ -86,18 +86,18 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     and greedy subEM on the validation questions. Deterministic for a given machine (seeded engine)."""
     from hydra.utils import instantiate
 
+    from dspo.agent import build_agent
     from dspo.data.qa import load_qa
-    from dspo.rollout.agent import SearchAgent
     from dspo.toy.tokenizer import load_tokenizer
 
     cfg = compose_train([f"paths.toy_root={Path(world.root).parent}", *overrides])
     env = instantiate(cfg.env)  # the run's environment over this world (its retriever group's index)
     engine = instantiate(cfg.rollout.engine)(model_path=model_dir)
-    agent = SearchAgent(engine, load_tokenizer(model_dir), env, instantiate(cfg.rollout.agent))
+    agent = build_agent(instantiate(cfg.rollout.agent), engine=engine, tokenizer=load_tokenizer(model_dir), env=env)
     report: dict[str, dict[str, float]] = {"train_sampled": {}, "val_greedy": {}, "train_mixed_groups": {}}
     train = load_qa(world.train, benchmark="toy", limit=questions)
     rewards, mixed, outcomes = defaultdict(list), defaultdict(list), []
-    for group in agent.rollout(train, group_size=group_size, policy_version=0, seed=1234):
+    for group in agent.rollout(train, group_size=group_size, policy_version=0, seed=1234).groups:
         values = [t.reward for t in group.trajectories]
         rewards[group.item.metadata["hops"]] += values
         mixed[group.item.metadata["hops"]].append(0 < sum(values) < len(values))
@@ -105,7 +105,7 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
             outcomes += [two_hop_outcome(t, group.item.metadata["chain"][1]) for t in group.trajectories]
     val = load_qa(world.val, benchmark="toy")
     greedy = defaultdict(list)
-    for group in agent.rollout(val, group_size=1, policy_version=0, greedy=True):
+    for group in agent.rollout(val, group_size=1, policy_version=0, greedy=True).groups:
         greedy[group.item.metadata["hops"]].append(group.trajectories[0].reward)
     for hops in sorted(rewards):
         report["train_sampled"][f"{hops}hop"] = round(sum(rewards[hops]) / len(rewards[hops]), 4)

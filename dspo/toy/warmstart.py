@@ -5,9 +5,9 @@ downloaded here, and a random model cannot discover `<tool_call>` JSON by RL in 
 fine-tunes on scripted demonstrations (`dspo.toy.demos`), a configurable share of them imperfect so RL has room to
 improve. Real runs skip this and start RL from an instruct model.
 
-Demonstrations are rendered by the real agent loop (`SearchAgent` + `ScriptedEngine` + BM25 over the toy corpus), so
-the SFT sequences are token for token what RL rollouts will look like (same template, same tool-turn wrappers, same
-observation format), and the loss covers exactly the mask-1 (model-generated) tokens.
+Demonstrations are rendered by the real agent loop (`ToolCallingAgent` + `ScriptedEngine` + BM25 over the toy
+corpus), so the SFT sequences are token for token what RL rollouts will look like (same template, same tool-turn
+wrappers, same observation format), and the loss covers exactly the mask-1 (model-generated) tokens.
 
 Two stages: name-recall drills (`recall_examples`, a curriculum of 1, 2, then 4 names per drill) first, because
 copying a name from a passage is the skill whole demonstrations fail to teach in the time budget; then the
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
+from dspo.agent import AgentConfig, build_agent
+from dspo.agent.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
 from dspo.data.qa import load_qa
-from dspo.rollout.agent import AgentConfig, SearchAgent
-from dspo.rollout.engine import HFEngine
-from dspo.rollout.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
-from dspo.rollout.scripted import ScriptedEngine
+from dspo.engines import HFEngine
+from dspo.engines.scripted import ScriptedEngine
 from dspo.search.bm25 import BM25Index, build_or_load_index
 from dspo.search.corpus import load_corpus
 from dspo.toy.demos import IMPERFECT_KINDS, check_imperfect_kinds, make_script
@@ -71,8 +71,9 @@ _OBSERVATION = re.compile(
 
 @dataclass
 class WarmStartConfig:
-    """Demonstrations, tiny-model size, and the SFT loop. `agent` holds `AgentConfig` overrides (keep them equal to
-    the RL run's, so demonstrations look like rollouts)."""
+    """Demonstrations, tiny-model size, and the SFT loop. `agent` holds the demonstrations' episode limits
+    (`AgentConfig` fields) and search limits (`topk`, ...: the search tool's), kept equal to the RL run's
+    `rollout.agent` and `env.tools.search` so that demonstrations look like rollouts (`demo_agent`)."""
 
     seed: int = 0
     imperfect_share: float = 0.3
@@ -226,7 +227,7 @@ def render_demonstrations(
     sources: dict | None = None,
     right_tool_share: float = 1.0,
 ) -> list[Trajectory]:
-    """One scripted trajectory per item, rendered by `SearchAgent` with a `ScriptedEngine` (exact ids and masks).
+    """One scripted trajectory per item, rendered by `ToolCallingAgent` with a `ScriptedEngine` (exact ids and masks).
     `retriever`: a Retriever (the default search environment) or a `dspo.env.Environment` (e.g. two sources')."""
     rng = random.Random(seed)
     tag_format = (agent_overrides or {}).get("tag_format", "qwen")
@@ -250,9 +251,22 @@ def render_demonstrations(
         return scripts[index](observations_in(prompt_text))
 
     engine = ScriptedEngine(tokenizer, script)
-    agent = SearchAgent(engine, tokenizer, retriever, AgentConfig(**(agent_overrides or {})))
-    groups = agent.rollout(items, group_size=1, policy_version=0)
-    return [group.trajectories[0] for group in groups]
+    groups = demo_agent(engine, tokenizer, retriever, agent_overrides).rollout(items, group_size=1, policy_version=0)
+    return [group.trajectories[0] for group in groups.groups]
+
+
+SEARCH_LIMITS = ("topk", "max_queries_per_call", "max_query_chars")
+
+
+def demo_agent(engine, tokenizer, retriever, settings: dict | None):
+    """The tool-calling agent of `WarmStartConfig.agent`'s settings: the episode's limits go to the agent, the search
+    limits and the answer guard to the default environment over `retriever` (an `Environment` is taken as it is)."""
+    from dspo.env import Environment
+
+    limits = dict(settings or {})
+    search = {key: limits.pop(key) for key in (*SEARCH_LIMITS, "max_answer_words") if key in limits}
+    env = retriever if isinstance(retriever, Environment) else Environment.search(retriever, **search)
+    return build_agent(AgentConfig(**limits), engine=engine, tokenizer=tokenizer, env=env)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -377,10 +391,13 @@ def demo_environment(index: BM25Index, world_meta: dict[str, dict], config: Warm
         return index
     from dspo.toy.sources import source_environment
 
-    agent = AgentConfig(**config.agent)
-    limits = {key: getattr(agent, key) for key in ("topk", "max_queries_per_call", "max_query_chars")}
+    limits = {key: config.agent[key] for key in SEARCH_LIMITS if key in config.agent}
     return source_environment(
-        index.passages, world_meta, max_answer_words=agent.max_answer_words, sources=config.sources, **limits
+        index.passages,
+        world_meta,
+        max_answer_words=config.agent.get("max_answer_words"),
+        sources=config.sources,
+        **limits,
     )
 
 
@@ -395,9 +412,9 @@ def evaluate_subem(
     """Greedy subEM of the model on a toy split with the real agent loop (HFEngine on CPU)."""
     tokenizer = load_tokenizer(model_dir)
     engine = HFEngine(model_path=model_dir, batch_size=64)
-    searcher = SearchAgent(engine, tokenizer, toy_retriever(world), AgentConfig(**(agent or {})))
+    searcher = demo_agent(engine, tokenizer, toy_retriever(world), agent)
     items = load_qa(getattr(world, split), benchmark="toy", limit=limit)
-    groups = searcher.rollout(items, group_size=1, policy_version=0, greedy=True)
+    groups = searcher.rollout(items, group_size=1, policy_version=0, greedy=True).groups
     rewards = [t.reward for g in groups for t in g.trajectories]
     return sum(rewards) / max(1, len(rewards))
 

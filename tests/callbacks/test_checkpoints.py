@@ -172,7 +172,7 @@ def test_round_checkpoints_stay_on_round_boundaries_after_a_skipped_step(tmp_pat
     saved = {}
     for path in sorted((tmp_path / "ckpt").glob("step*.ckpt")):
         state = torch.load(path, map_location="cpu", weights_only=False)
-        saved[path.name] = (state["global_step"], state["callbacks"]["EnvironmentCallback"])
+        saved[path.name] = (state["global_step"], state["callbacks"]["RolloutCallback"])
     # rounds end after slots 2, 4 and 6, i.e. at optimizer steps 1, 3 and 5 (one step of round 0 was skipped)
     assert sorted(saved) == ["step00001.ckpt", "step00003.ckpt", "step00005.ckpt"]
     assert [saved[k][0] for k in sorted(saved)] == [1, 3, 5]

@@ -65,7 +65,7 @@ def test_the_engine_sleeps_through_the_update_and_wakes_before_the_push(tmp_path
 
 
 def test_the_cpu_engines_refuse_to_sleep(tmp_path) -> None:
-    from dspo.rollout.engine import HFEngine, VLLMEngine
+    from dspo.engines import HFEngine, VLLMEngine
 
     with pytest.raises(ValueError, match="sleep_during_update=true needs CUDA vLLM"):
         VLLMEngine(model_path=str(tmp_path), sleep_during_update=True)

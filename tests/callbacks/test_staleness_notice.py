@@ -1,4 +1,4 @@
-"""Issue 38: `EnvironmentCallback` tells, when the run is built, that the configured rollout correction does not
+"""Issue 38: `RolloutCallback` tells, when the run is built, that the configured rollout correction does not
 correct rounds sampled ahead of training (`dspo.algorithms.rollout_correction.staleness_notice`)."""
 
 import logging
@@ -6,17 +6,17 @@ import logging
 import pytest
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.callbacks.environment_callback import EnvironmentCallback
+from dspo.callbacks.rollout_callback import RolloutCallback
 from dspo.models import ModelConfig
 
-LOGGER = "dspo.callbacks.environment_callback"
+LOGGER = "dspo.callbacks.rollout_callback"
 
 
 def _build(mode: str, max_staleness: int, caplog) -> list[logging.LogRecord]:
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         algorithm = AlgorithmConfig(rollout_correction={"mode": mode})
-        EnvironmentCallback(None, None, None, algorithm, ModelConfig(path="unused"), max_staleness=max_staleness)
+        RolloutCallback(None, None, None, algorithm, ModelConfig(path="unused"), max_staleness=max_staleness)
     return [r for r in caplog.records if r.name == LOGGER]
 
 

@@ -79,8 +79,8 @@ def test_engine_logprobs_align_with_trainer_logprobs_on_a_multi_turn_layout(tmp_
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dspo.engines import HFEngine, SamplingConfig
     from dspo.models.logprobs import masked_token_logprobs
-    from dspo.rollout.engine import HFEngine, SamplingConfig
     from dspo.toy.model import build_tiny_model
 
     model_dir = build_tiny_model(str(QWEN_TOKENIZER), str(tmp_path / "tiny"))

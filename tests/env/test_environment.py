@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dspo.agent.prompts import build_messages
 from dspo.env import Environment, SubEMReward
-from dspo.rollout.prompts import build_messages
 
 JSON_EXAMPLE = 'Call the tool as {"name": "search", "arguments": {"query_list": ["q"]}}. Question: {question}'
 

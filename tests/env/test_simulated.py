@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspo.agent import AgentConfig
+from dspo.agent.tool_calling import ToolCallingAgent
+from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment, SubEMReward
 from dspo.env.simulated import (
     EngineSimulator,
@@ -20,8 +23,6 @@ from dspo.env.simulated import (
 )
 from dspo.env.tools import CallContext
 from dspo.resources import QWEN_TOKENIZER, data_dir
-from dspo.rollout.agent import AgentConfig, SearchAgent
-from dspo.rollout.scripted import ScriptedEngine
 from dspo.types import Generation, Passage, QAItem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,7 +211,7 @@ def test_engine_simulator_prompt_mistakes_and_missing_model_name_the_key():
 
 def test_engine_simulator_with_a_real_hf_engine_built_on_first_use(tmp_path):
     """The real engine path on a tiny random Qwen2 (CPU): built lazily, one generate, never raises on its text."""
-    from dspo.rollout.engine import HFEngine
+    from dspo.engines import HFEngine
     from dspo.toy.model import build_tiny_model
 
     tokenizer_dir = str(data_dir().joinpath(*QWEN_TOKENIZER))
@@ -233,10 +234,10 @@ def test_engine_simulator_with_a_real_hf_engine_built_on_first_use(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ in the agent
-def searchr1_agent(tokenizer, tool, scripts) -> SearchAgent:
+def searchr1_agent(tokenizer, tool, scripts) -> ToolCallingAgent:
     env = Environment({"search": tool}, SubEMReward())
-    config = AgentConfig(tag_format="searchr1", max_turns=3, topk=1, max_new_tokens_per_turn=64)
-    return SearchAgent(ScriptedEngine(tokenizer, scripts), tokenizer, env, config)
+    config = AgentConfig(tag_format="searchr1", max_turns=3, max_new_tokens_per_turn=64)
+    return ToolCallingAgent(ScriptedEngine(tokenizer, scripts), tokenizer, env, config)
 
 
 SEARCH = "<think>I need the founder.</think>\n<search> Brikor Corp </search>"
@@ -249,13 +250,14 @@ def test_tool_in_the_real_agent_loop(qwen_tokenizer, noise_end):
     tool = SimulatedSearchTool(ScriptedSimulator(retriever), topk=1, noise_end=noise_end, seed=0)
     agent = searchr1_agent(qwen_tokenizer, tool, [[SEARCH, ANSWER]] * 2)
     agent.env.on_progress(10, 10)  # the trainer's call: the end of training, noise_end
-    trajectories = agent.rollout([BRIKOR], group_size=2, policy_version=0)[0].trajectories
-    assert [t.num_search_calls for t in trajectories] == [1, 1] and len(retriever.calls) == 1  # one batch per turn
+    result = agent.rollout([BRIKOR], group_size=2, policy_version=0)
+    trajectories = result.groups[0].trajectories
+    assert [t.num_tool_calls for t in trajectories] == [1, 1] and len(retriever.calls) == 1  # one batch per turn
     text = trajectories[0].response_text
     assert "<information>Doc 1 (Title: " in text
     assert ("(Title: Brikor Corp)" in text) == (noise_end == 0.0)
-    assert agent.last_stats["tool/search/noise_probability"] == noise_end  # the agent averages them per round
-    assert agent.last_stats["tool/search/noisy_share"] == noise_end  # k = 1
+    assert result.stats["tool/search/noise_probability"] == noise_end  # the agent averages them per round
+    assert result.stats["tool/search/noisy_share"] == noise_end  # k = 1
 
 
 def test_tool_results_carry_the_noise_as_metrics():
@@ -273,7 +275,7 @@ def test_engine_simulator_in_the_agent_one_generate_per_turn(qwen_tokenizer):
     sim_engine = CountingEngine(qwen_tokenizer, doc_script)
     tool = SimulatedSearchTool(EngineSimulator(engine=sim_engine), topk=2, noise_start=0.5, noise_end=0.5)
     agent = searchr1_agent(qwen_tokenizer, tool, [[SEARCH, SEARCH, ANSWER]] * 3)
-    trajectories = agent.rollout([BRIKOR], group_size=3, policy_version=0)[0].trajectories
+    trajectories = agent.rollout([BRIKOR], group_size=3, policy_version=0).groups[0].trajectories
     assert [len(batch) for batch in sim_engine.prompts] == [6, 6]  # 2 turns with searches: 3 episodes x k = 2 each
     assert "Title: Useful page" in trajectories[0].response_text or "Title: Noisy page" in trajectories[0].response_text
     flags = ["must not contain" in p for batch in sim_engine.prompts for p in batch]
@@ -289,7 +291,7 @@ def test_env_simulated_composes_and_instantiates(tmp_path):
     GlobalHydra.instance().clear()
     engine_block = (
         "+env.tools.search.simulator={_target_:dspo.env.simulated.EngineSimulator,model_path:/models/sim,"
-        "engine:{_target_:dspo.rollout.engine.VLLMEngine,_partial_:true,gpu_memory_utilization:0.2}}"
+        "engine:{_target_:dspo.engines.VLLMEngine,_partial_:true,gpu_memory_utilization:0.2}}"
     )
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["env=simulated", f"output_dir={tmp_path}", "seed=7"])

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from dspo.agent.prompts import SEARCH_TOOL_SCHEMA
+from dspo.agent.tool_calling import run_with_timeout
 from dspo.env import Environment, SearchTool, SubEMReward, check_credit_fits
 from dspo.env.tools import InvalidCall, Tool, ToolResult, check_arguments
-from dspo.rollout.agent import run_with_timeout
-from dspo.rollout.prompts import SEARCH_TOOL_SCHEMA
 
 SCHEMA = {
     "type": "object",

@@ -188,7 +188,7 @@ def scripted_engine(model_path: str, **_ignored):
     answered with its gold answer, the rest with the title of the first passage found (real BM25 hits)."""
     from transformers import AutoTokenizer
 
-    from dspo.rollout.scripted import ScriptedEngine
+    from dspo.engines.scripted import ScriptedEngine
 
     def script(prompt_text: str, turn: int, index: int) -> str:
         question = re.findall(r"Question: (.*?)(?:<\|im_end\|>|\n)", prompt_text)[0].strip()
@@ -238,7 +238,7 @@ def test_dspo_eval_scripted_end_to_end(
     results = check_outputs(out, 6, TWO_BENCHMARKS)
     assert table == results
     for name in TWO_BENCHMARKS:
-        assert 0.5 <= results[name]["subem"] <= 1.0 and results[name]["mean_search_calls"] == 1.0
+        assert 0.5 <= results[name]["subem"] <= 1.0 and results[name]["mean_tool_calls"] == 1.0
         assert results[name]["mean_turns"] == 2.0
     assert results["average"]["n"] == 12
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
@@ -249,7 +249,7 @@ def test_dspo_eval_scripted_end_to_end(
 def test_dspo_eval_cli_from_checkpoint(tiny_model: str, index_dir: Path, tmp_path: Path) -> None:
     """`dspo-eval ckpt_path=...` as a user runs it: checkpoint export, engine, BM25 index, tables. The transformers
     engine (`rollout=hf`): dspo-eval on vLLM runs end to end in tests/test_train.py (`dspo-eval model.path=RUN/model`
-    after a run) and vLLM with this 151k vocabulary in tests/rollout/test_vllm.py."""
+    after a run) and vLLM with this 151k vocabulary in tests/engines/test_vllm.py."""
     ckpt = tmp_path / "last.ckpt"
     lightning_like_checkpoint(tiny_model, ckpt)
     out = tmp_path / "out"
@@ -303,8 +303,9 @@ def test_paper_experiments_compose_and_instantiate(experiment: str, tmp_path: Pa
         2,
     )
     assert (algorithm.loss_kwargs, algorithm.kl_coef) == ({"clip_low": 3e-4, "clip_high": 4e-4}, 0.0)
-    agent = instantiate(cfg.rollout.agent)
-    assert (agent.max_turns, agent.topk, agent.max_new_tokens_per_turn, agent.max_total_tokens) == (4, 3, 500, 4096)
+    agent = cfg.rollout.agent
+    assert (agent.max_turns, agent.max_new_tokens_per_turn, agent.max_total_tokens) == (4, 500, 4096)
+    assert cfg.env.tools.search.topk == 3
     assert cfg.rollout.engine.max_model_len >= agent.max_total_tokens
     assert instantiate(cfg.optimizer).lr == 1e-6
     assert cfg.trainer.max_steps == 2010 and cfg.trainer.strategy._target_.endswith("FSDP2Strategy")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dspo.agent import AgentRollout
 from dspo.eval.pipeline import (
     AVERAGE,
     Prediction,
@@ -31,7 +32,7 @@ def make_trajectory(answer: str | None, turns: int = 2, calls: int = 1) -> Traje
         engine_logprobs=[-0.1, 0.0, -0.2],
         answer=answer,
         num_turns=turns,
-        num_search_calls=calls,
+        num_tool_calls=calls,
         response_text=f"<answer>{answer}</answer>",
     )
 
@@ -45,12 +46,14 @@ class ScriptedAgent:
 
     def rollout(
         self, items: Sequence[QAItem], group_size: int, policy_version: int = 0, greedy: bool = False
-    ) -> list[RolloutGroup]:
+    ) -> AgentRollout:
         self.calls.append((len(items), group_size, policy_version, greedy))
-        return [
-            RolloutGroup(item=item, trajectories=[make_trajectory(self.answers[item.id], calls=len(item.id))])
-            for item in items
-        ]
+        return AgentRollout(
+            [
+                RolloutGroup(item=item, trajectories=[make_trajectory(self.answers[item.id], calls=len(item.id))])
+                for item in items
+            ]
+        )
 
 
 def items() -> list[QAItem]:
@@ -77,7 +80,7 @@ def test_predict_batches_greedy_in_order() -> None:
     assert by_id["333"].answer == "" and by_id["333"].correct == 0.0 and by_id["333"].f1 == 0.0
     assert by_id["4"].correct == by_id["4"].em == by_id["4"].f1 == 1.0
     assert by_id["55"].f1 == 0.0  # yes/no must match exactly
-    assert by_id["333"].num_search_calls == 3 and by_id["333"].num_turns == 2
+    assert by_id["333"].num_tool_calls == 3 and by_id["333"].num_turns == 2
 
 
 def test_predict_rejects_bad_batch_size_and_mismatched_groups() -> None:
@@ -86,7 +89,7 @@ def test_predict_rejects_bad_batch_size_and_mismatched_groups() -> None:
 
     class Reordering(ScriptedAgent):
         def rollout(self, items, group_size, policy_version=0, greedy=False):  # type: ignore[override]
-            return list(reversed(super().rollout(items, group_size, policy_version, greedy)))
+            return AgentRollout(list(reversed(super().rollout(items, group_size, policy_version, greedy).groups)))
 
     with pytest.raises(RuntimeError, match="agent returned groups"):
         predict(Reordering(ANSWERS), items(), batch_size=5, progress=False)
@@ -100,9 +103,9 @@ def test_score_matches_hand_computation() -> None:
     assert nq["n"] == 3 and nq["subem"] == 1 / 3 and nq["em"] == 0.0
     f1_22 = next(p.f1 for p in predictions if p.id == "22")
     assert nq["f1"] == pytest.approx((2 / 3 + f1_22 + 0.0) / 3, abs=1e-6)
-    assert nq["mean_search_calls"] == pytest.approx((1 + 2 + 3) / 3) and nq["mean_turns"] == 2.0
+    assert nq["mean_tool_calls"] == pytest.approx((1 + 2 + 3) / 3) and nq["mean_turns"] == 2.0
     assert hotpot == pytest.approx(
-        {"subem": 0.5, "em": 0.5, "f1": 0.5, "n": 2, "mean_search_calls": 1.5, "mean_turns": 2.0}
+        {"subem": 0.5, "em": 0.5, "f1": 0.5, "n": 2, "mean_tool_calls": 1.5, "mean_turns": 2.0}
     )
 
 
@@ -137,7 +140,7 @@ def test_write_results_round_trip(tmp_path: Path) -> None:
 def test_macro_average_and_table_errors() -> None:
     with pytest.raises(ValueError, match="no benchmark results"):
         macro_average({})
-    row = {"subem": 1.0, "em": 0.5, "f1": 0.25, "n": 4, "mean_search_calls": 1.0, "mean_turns": 3.0}
+    row = {"subem": 1.0, "em": 0.5, "f1": 0.25, "n": 4, "mean_tool_calls": 1.0, "mean_turns": 3.0}
     assert markdown_table({"x": row}).splitlines()[-1] == "| x | 4 | 100.0 | 50.0 | 25.0 | 1.00 | 3.00 |"
 
 

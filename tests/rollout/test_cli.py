@@ -17,7 +17,7 @@ def compose_cli(overrides: list[str]):
 
 def test_vllm_config_composes_with_engine_partial():
     cfg = compose_cli(["model.path=/m", "data.path=/d", "retriever.index=/i"])
-    assert cfg.rollout.engine._target_ == "dspo.rollout.engine.VLLMEngine" and cfg.rollout.engine._partial_
+    assert cfg.rollout.engine._target_ == "dspo.engines.VLLMEngine" and cfg.rollout.engine._partial_
     assert "model_path" not in cfg.rollout.engine
     assert cfg.rollout.agent.tag_format == "qwen" and cfg.retriever.index == "/i"
     with pytest.raises(FileNotFoundError, match=r"model.path='/m' is not an existing directory"):
@@ -50,7 +50,7 @@ def test_cli_writes_one_record_per_trajectory(tiny_model_dir, tmp_path):
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert len(records) == 6 and [r["id"] for r in records] == ["q0"] * 3 + ["q1"] * 3
     for record in records:
-        for key in ("question", "golden_answers", "answer", "reward", "num_turns", "num_search_calls", "response_text"):
+        for key in ("question", "golden_answers", "answer", "reward", "num_turns", "num_tool_calls", "response_text"):
             assert key in record
         assert len(record["response_ids"]) == len(record["response_mask"]) and record["prompt_ids"]
         assert record["reward"] == 0.0 and record["num_turns"] == 1

@@ -130,11 +130,13 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
 from dspo.rollout.worker import EngineProcess, WorkerSpec
-from dspo.testing import recording_engine, slow_agent, toy_items
+from dspo.testing import StandInTokenizer, recording_engine, slow_agent, toy_items
 
 if __name__ == "__main__":
     algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
-    spec = WorkerSpec(recording_engine, None, None, algorithm, ModelConfig(path="unused"), 0, 1, build_agent=slow_agent)
+    spec = WorkerSpec(
+        recording_engine, slow_agent, None, algorithm, ModelConfig(path="unused"), 0, 1, tokenizer=StandInTokenizer()
+    )
     worker = EngineProcess(spec)
     worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(4)), ("v", torch.zeros(4))])
     worker.push_weights(None, 0, 0, (0, 1))
@@ -216,7 +218,7 @@ def test_the_engine_process_may_start_child_processes():
     engine process could not ("daemonic processes are not allowed to have children")."""
     from dspo.testing import parent_agent
 
-    worker = EngineProcess(worker_spec(build_agent=parent_agent))
+    worker = EngineProcess(worker_spec(agent=parent_agent))
     try:
         worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
         worker.push_weights(None, 0, 0, (0, 1))
@@ -260,7 +262,7 @@ def test_closing_with_unread_rounds_in_the_pipe_ends_the_engine_process_promptly
     (it waited 2 s for its queue's feeder and was killed, code -9)."""
     from dspo.testing import bulky_agent
 
-    worker = EngineProcess(worker_spec(max_staleness=2, build_agent=bulky_agent))
+    worker = EngineProcess(worker_spec(max_staleness=2, agent=bulky_agent))
     worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
     worker.push_weights(None, 0, 0, (0, 1))
     worker.take_round(0)
@@ -274,13 +276,13 @@ def test_closing_with_unread_rounds_in_the_pipe_ends_the_engine_process_promptly
 def test_the_environment_is_built_in_the_engine_process_from_its_config(tmp_path):
     """At k >= 1 the trainer passes the `env` config, not the environment (an in-memory index was pickled and held
     twice); at k = 0 the environment is built in the trainer, when the callback is."""
-    from dspo.callbacks.environment_callback import EnvironmentCallback
+    from dspo.callbacks.rollout_callback import RolloutCallback
     from dspo.env.spec import EnvironmentSpec
 
     built_in = tmp_path / "pids.txt"
     spec = EnvironmentSpec({"_target_": "dspo.testing.PidEnvironment", "path": str(built_in)})
     algorithm, model = AlgorithmConfig(), ModelConfig(path="unused")
-    EnvironmentCallback(recording_engine, None, spec, algorithm, model, max_staleness=1)
+    RolloutCallback(recording_engine, None, spec, algorithm, model, max_staleness=1)
     assert not built_in.exists()  # the trainer side keeps the config
     worker = EngineProcess(worker_spec(env=spec))
     try:
@@ -288,7 +290,7 @@ def test_the_environment_is_built_in_the_engine_process_from_its_config(tmp_path
         assert built_in.read_text().split() == [str(worker.pid)] and worker.credit == "trajectory"
     finally:
         worker.close()
-    EnvironmentCallback(recording_engine, None, spec, algorithm, model, max_staleness=0)
+    RolloutCallback(recording_engine, None, spec, algorithm, model, max_staleness=0)
     assert built_in.read_text().split() == [str(worker.pid), str(os.getpid())]
 
 
@@ -355,5 +357,5 @@ def test_a_failure_checkpoint_keeps_the_prompts_of_the_round_it_did_not_train(lm
     failure = tmp_path / "failed" / "checkpoints" / "failure.ckpt"
     assert _sampler_state(failure) == expected != _sampler_state(next((tmp_path / "full" / "ckpt").glob("*step=3*")))
     producer = torch.load(failure, map_location="cpu", weights_only=False)["callbacks"]
-    (state,) = [v for k, v in producer.items() if "EnvironmentCallback" in k]
+    (state,) = [v for k, v in producer.items() if "RolloutCallback" in k]
     assert (state["rounds_completed"], state["cursor"]) == (2, 0)

@@ -1,18 +1,22 @@
 """`RoundProducer`: the one round/version state, its checkpoint, the in-process engine side's push and version guard,
-and what `setup` builds (runs through Lightning: tests/callbacks/test_environment_callback.py)."""
+what `setup` builds, and whole rounds driven with no Lightning object at all (a `TrainerLink` of plain callables; the
+same producer runs through Lightning in tests/callbacks/test_rollout_callback.py)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
+from dspo.agent import AgentConfig
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.models import ModelConfig
-from dspo.rollout.agent import AgentConfig
+from dspo.models.weights import policy_weights
+from dspo.rollout.link import TrainerLink
 from dspo.rollout.producer import RoundProducer, RoundState
 from dspo.rollout.sides import EngineProcessSide, LocalEngine
 from dspo.rollout.worker import WorkerSpec
@@ -30,14 +34,19 @@ class _Root(nn.Module):
         self.policy, self.weights_version = nn.Linear(2, 2), weights_version
 
 
+def _link(root, **fields) -> TrainerLink:
+    """A trainer as plain callables: `root`'s weights and version."""
+    return TrainerLink(weights=lambda: policy_weights(root), weights_version=lambda: root.weights_version, **fields)
+
+
 def test_the_version_guard_stops_a_round_sampled_from_stale_weights():
     producer = _producer()
     producer.attach(LocalEngine(RecordingEngine(version=5), None, None))
     producer.state.completed = 3
     producer.state.engine_version = 2  # the push below is skipped, as the bug the guard is for would skip it
-    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), datamodule=None, global_step=0)
+    producer.link = _link(_Root(weights_version=2))
     with pytest.raises(RuntimeError) as stale:
-        producer._start_round(trainer, SimpleNamespace(weights_version=2))
+        producer._start_round()
     assert str(stale.value) == (
         "engine holds weights after 5 optimizer steps, the policy after 2; round 3 is starting: the weight push "
         "was skipped (a bug in dspo; please report it)"
@@ -56,11 +65,11 @@ def test_resume_mid_round_starts_a_fresh_round_restores_rng_and_forces_a_push():
     engine = RecordingEngine(version=0)
     fresh.attach(LocalEngine(engine, None, None))
     root = _Root(weights_version=0)  # even at the engine's own version number: the engine holds the initial weights
-    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None))
-    fresh.push(trainer, root)
+    fresh.link = _link(root)
+    fresh.push()
     assert [v for v, _ in engine.pushes] == [0] and fresh.state.engine_version == 0
     assert torch.equal(engine.pushes[0][1]["weight"], root.policy.weight)
-    fresh.push(trainer, root)
+    fresh.push()
     assert len(engine.pushes) == 1  # unchanged weights: no second push
     at_boundary = _producer()
     at_boundary.load_state_dict({**state, "cursor": 0})
@@ -83,11 +92,11 @@ def test_counters_and_the_keep_rate_estimate_survive_a_checkpoint():
     assert restored.state.engine_version == -1  # the engine must be sent the restored weights
     assert restored.keep_rate_estimate == 0.42  # kept until the engine side exists, then handed to its filter
     restored.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
-    assert restored.side.environment.keep_rate_estimate == 0.42
+    assert restored.side.round_sampler.keep_rate_estimate == 0.42
     early = _producer()
     early.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
     early.load_state_dict(state)  # the side exists already (Lightning restores after setup)
-    assert early.side.environment.keep_rate_estimate == 0.42
+    assert early.side.round_sampler.keep_rate_estimate == 0.42
 
 
 def test_an_old_checkpoint_without_the_newer_counters_and_the_initial_state():
@@ -112,10 +121,10 @@ def test_step_done_closes_a_round_after_its_last_minibatch_and_hands_back_its_ti
 
 def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_rate(lm_dir):
     """Outside the stand-ins: setup loads the tokenizer, builds the engine from its factory with the model path, the
-    search agent around it and a rank's RolloutEnvironment (B / W groups), applies a keep-rate estimate restored
+    search agent around it and a rank's RoundSampler (B / W groups), applies a keep-rate estimate restored
     before setup, and builds nothing again on a second call; at k >= 1 it builds the engine-process side only (the
     process starts at the first push)."""
-    from dspo.rollout.agent import SearchAgent
+    from dspo.agent.tool_calling import ToolCallingAgent
 
     built = []
 
@@ -127,18 +136,18 @@ def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_r
     algo = AlgorithmConfig(group_size=2, batch_groups=4)
     producer = RoundProducer(WorkerSpec(factory, AgentConfig(), "retriever", algo, model, 0, 0))
     producer.state.keep_rate_estimate = 0.25  # as load_state_dict leaves it when it runs before setup
-    producer.setup(SimpleNamespace(world_size=2, global_rank=1), sampler="sampler")
+    producer.setup(_link(_Root(0), world_size=2, rank=1), sampler="sampler")
     side = producer.side
     assert built == [lm_dir] and isinstance(side, LocalEngine) and producer.sampler == "sampler"
-    assert isinstance(side.agent, SearchAgent) and side.agent.engine is side.engine
+    assert isinstance(side.agent, ToolCallingAgent) and side.agent.engine is side.engine
     assert side.agent.retriever == "retriever" and producer.tokenizer.pad_token_id is not None
-    assert side.environment.agent is side.agent and side.environment.local_target == 2
-    assert side.environment.keep_rate_estimate == 0.25
-    producer.setup(SimpleNamespace(world_size=2, global_rank=1), sampler=None)
+    assert side.round_sampler.agent is side.agent and side.round_sampler.local_target == 2
+    assert side.round_sampler.keep_rate_estimate == 0.25
+    producer.setup(_link(_Root(0), world_size=2, rank=1), sampler=None)
     assert built == [lm_dir] and producer.side is side and producer.sampler == "sampler"
     ahead = RoundProducer(WorkerSpec(factory, AgentConfig(), "retriever", algo, model, 0, max_staleness=1))
     ahead.state.keep_rate_estimate = 0.5
-    ahead.setup(SimpleNamespace(world_size=1, global_rank=0), sampler=None)
+    ahead.setup(_link(_Root(0)), sampler=None)
     assert isinstance(ahead.side, EngineProcessSide) and ahead.side.worker is None and built == [lm_dir]
     assert ahead.keep_rate_estimate == 0.5
     ahead.close()  # nothing started: nothing to stop
@@ -162,3 +171,46 @@ def test_a_failure_rewinds_only_a_round_whose_optimizer_step_has_not_run():
         producer.rewind(global_step)
         assert (sampler.state_dict() == start) is rewound, global_step
         assert producer._round_start is None
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_rounds_driven_with_no_lightning_object(max_staleness):
+    """Issue 41: the producer trains rounds from plain values alone, in this process (k = 0) or from an engine
+    process (k = 1): a `TrainerLink` of callables stands for the trainer, a bare nn.Module for the policy whose version
+    moves with each "optimizer step" here; rounds come in order, filled slots carry them, pushes carry new weights."""
+    from dspo.data.rounds import PromptSampler, RoundSlot
+    from dspo.rollout.sampler import RoundSampler
+    from dspo.testing import ScriptedAgent, StandInTokenizer, recording_engine, scripted_agent, toy_items
+
+    root, steps = _Root(weights_version=0), []
+    link = _link(root, progress=lambda: (len(steps), 6))
+    algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3, num_minibatches=2)
+    spec = WorkerSpec(recording_engine, scripted_agent, None, algorithm, ModelConfig(path="unused"), 0, max_staleness)
+    producer = RoundProducer(replace(spec, tokenizer=StandInTokenizer()))
+    producer.tokenizer = StandInTokenizer()
+    engine = RecordingEngine()
+    if not max_staleness:  # the built-in side, with the stand-ins instead of a model's engine
+        agent = ScriptedAgent()
+        producer.attach(LocalEngine(engine, agent, RoundSampler(agent, algorithm)))
+    sampler = PromptSampler(toy_items(), seed=0)
+    producer.setup(link, sampler)
+    try:
+        for round_index in range(3):
+            for minibatch in range(2):
+                slot = RoundSlot(index=2 * round_index + minibatch)
+                stats = producer.fill(slot)
+                assert (slot.round_index, slot.minibatch_index) == (round_index, minibatch)
+                assert (stats is not None) == (minibatch == 0) and slot.micro_batches
+                if stats is not None:
+                    assert stats["rollout/groups_kept"] == 2.0 and stats["rollout/policy_version"] == round_index
+                with torch.no_grad():  # an optimizer step: new weights, a new version
+                    root.policy.weight.add_(1.0)
+                root.weights_version += 1
+                steps.append(root.weights_version)
+                producer.step_done()
+        assert producer.state.completed == 3 and producer.state.engine_version == 4  # pushed before round 2
+        if not max_staleness:
+            assert [version for version, _ in engine.pushes] == [2, 4]  # the engine starts at version 0: no push
+            assert torch.equal(engine.pushes[-1][1]["weight"], root.policy.weight - 2.0)  # the weights before round 2
+    finally:
+        producer.close()

@@ -56,3 +56,15 @@ def test_each_run_has_its_own_secret_and_it_travels_to_the_engine_process_only_a
         assert state["secret"] == transfer.secret and "_store" not in state
     finally:
         other.close()
+
+
+def test_both_transports_implement_the_weight_transport_protocol(transfer):
+    import multiprocessing
+
+    from dspo.rollout.transfer import SharedMemoryTransfer, WeightTransport, make_transfer
+
+    shared = make_transfer("shared_memory", multiprocessing.get_context("spawn"))
+    assert isinstance(shared, SharedMemoryTransfer) and isinstance(shared, WeightTransport)
+    assert isinstance(transfer, WeightTransport)
+    protocol = {name for name in vars(WeightTransport) if not name.startswith("_")}
+    assert protocol == {"allocate", "connect_trainer", "send", "connect_engine", "receive", "close"}

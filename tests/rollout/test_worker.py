@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.callbacks.environment_callback import EnvironmentCallback
+from dspo.callbacks.rollout_callback import RolloutCallback
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
 from dspo.rollout.placement import colocated_device, engine_devices_for, split_cores
@@ -65,7 +65,7 @@ def test_staleness_is_the_rounds_between_sampling_weights_and_the_round_trained(
 )
 def test_bad_staleness_settings_are_refused_at_build_time(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig(path="unused"), **kwargs)
+        RolloutCallback(None, None, None, AlgorithmConfig(), ModelConfig(path="unused"), **kwargs)
 
 
 def test_an_engine_that_sleeps_during_the_update_cannot_run_ahead_of_it():
@@ -73,7 +73,7 @@ def test_an_engine_that_sleeps_during_the_update_cannot_run_ahead_of_it():
 
     engine = partial(recording_engine, sleep_during_update=True)
     with pytest.raises(ValueError, match="sleep_during_update=true with rollout.max_staleness>=1"):
-        EnvironmentCallback(engine, None, None, AlgorithmConfig(), ModelConfig(path="unused"), max_staleness=1)
+        RolloutCallback(engine, None, None, AlgorithmConfig(), ModelConfig(path="unused"), max_staleness=1)
 
 
 # ------------------------------------------------------------------------------------------------- the process
@@ -84,7 +84,7 @@ def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
     memory, the default transport). Then the process is killed: the trainer's wait says so."""
     import json
 
-    worker = EngineProcess(worker_spec(max_staleness=1, build_agent=weights_echo_agent))
+    worker = EngineProcess(worker_spec(max_staleness=1, agent=weights_echo_agent))
     weights = [("w", torch.zeros(3))]
     try:
         worker.start(PromptSampler(toy_items(), seed=0), None, 0, weights)
@@ -133,7 +133,7 @@ def test_weights_reach_the_engine_process_exactly_over_a_gloo_group():
     reloading. A killed engine process ends the run with `EngineProcessDied`, whether the push or the wait notices."""
     import json
 
-    worker = EngineProcess(worker_spec(max_staleness=1, build_agent=weights_echo_agent, weight_transfer="gloo"))
+    worker = EngineProcess(worker_spec(max_staleness=1, agent=weights_echo_agent, weight_transfer="gloo"))
     initial = [("a", torch.zeros(3)), ("b", torch.zeros(2, 2, dtype=torch.float64))]
     trained = [("a", torch.tensor([0.5, 1.25, 2.0])), ("b", torch.full((2, 2), 0.1, dtype=torch.float64))]
 
@@ -175,10 +175,10 @@ def test_weight_transfer_settings_are_checked():
     with pytest.raises(ValueError, match="NCCL cannot join two processes on one GPU.*rollout.engine_devices"):
         check_transfer("nccl", colocated=True, cuda=True)
     with pytest.raises(ValueError, match="rollout.weight_transfer='ipc'"):
-        EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig("m"), weight_transfer="ipc")
+        RolloutCallback(None, None, None, AlgorithmConfig(), ModelConfig("m"), weight_transfer="ipc")
     from functools import partial
 
-    from dspo.rollout.engine import VLLMEngine
+    from dspo.engines import VLLMEngine
     from dspo.rollout.transfer import CollectiveTransfer
     from dspo.rollout.worker import _engine_dtype
 
@@ -196,7 +196,7 @@ def test_weight_transfer_settings_are_checked():
 class RoundLog(pl.Callback):
     """Per round: the prompts and the policy versions that sampled them (read from the environment callback)."""
 
-    def __init__(self, environment: EnvironmentCallback) -> None:
+    def __init__(self, environment: RolloutCallback) -> None:
         self.environment, self.rounds = environment, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -244,7 +244,7 @@ def test_a_checkpoint_taken_mid_flight_resumes_to_the_same_step_count_and_prompt
 
 
 class KillEngine(pl.Callback):
-    def __init__(self, environment: EnvironmentCallback, at_step: int) -> None:
+    def __init__(self, environment: RolloutCallback, at_step: int) -> None:
         self.environment, self.at_step = environment, at_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -288,7 +288,7 @@ def test_a_colocated_engine_process_sits_on_its_ranks_gpu():
 
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
 def test_the_engine_process_runs_on_its_devices_and_a_failed_start_brings_its_traceback():
-    worker = EngineProcess(worker_spec(visible_devices="7", build_agent=report_environment_agent))
+    worker = EngineProcess(worker_spec(visible_devices="7", agent=report_environment_agent))
     try:
         with pytest.raises(EngineProcessError, match="the engine to start") as error:
             worker.start(None, None, 0, [("w", torch.zeros(1))])
@@ -300,7 +300,7 @@ def test_the_engine_process_runs_on_its_devices_and_a_failed_start_brings_its_tr
 
 
 class Preempt(pl.Callback):
-    def __init__(self, environment: EnvironmentCallback, at_step: int) -> None:
+    def __init__(self, environment: RolloutCallback, at_step: int) -> None:
         self.environment, self.at_step, self.engine_pid = environment, at_step, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -332,12 +332,12 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
 from dspo.rollout.worker import EngineProcess, WorkerSpec
-from dspo.testing import recording_engine, scripted_agent, toy_items
+from dspo.testing import StandInTokenizer, recording_engine, scripted_agent, toy_items
 
 if __name__ == "__main__":
     algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
     model = ModelConfig(path="unused")
-    spec = WorkerSpec(recording_engine, None, None, algorithm, model, 0, 1, build_agent=scripted_agent)
+    spec = WorkerSpec(recording_engine, scripted_agent, None, algorithm, model, 0, 1, tokenizer=StandInTokenizer())
     worker = EngineProcess(spec)
     worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
     worker.push_weights(None, 0, 0, (0, 1))

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from dspo.agent.parsing import QWEN_CLOSE, parse_call
 from dspo.env import SearchTool
-from dspo.rewards import extract_answer, subem_reward
-from dspo.rollout.parsing import QWEN_CLOSE, parse_call
+from dspo.env.rewards import extract_answer, subem_reward
 from dspo.search.bm25 import BM25Index
 from dspo.toy.demos import CORRECT, IMPERFECT_KINDS, ScriptedPolicy, choose_kind, evidence, make_script
 from dspo.toy.world import ToyWorldConfig, generate_world

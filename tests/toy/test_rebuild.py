@@ -11,7 +11,7 @@ from dspo.types import Trajectory
 
 
 def _rollout(searches: int, answer: str | None, reward: float) -> Trajectory:
-    return Trajectory([1], [2], [1], [0.0], reward=reward, answer=answer, num_search_calls=searches)
+    return Trajectory([1], [2], [1], [0.0], reward=reward, answer=answer, num_tool_calls=searches)
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,7 @@ def test_demonstrations_call_the_source_of_each_hop_through_the_agent_loop(toy, 
         items, meta, load_tokenizer(tok_dir), env, 0.0, agent_overrides=SEARCHR1, sources=config.sources,
         right_tool_share=share,
     )  # fmt: skip
-    searched = [d for d in demos if d.num_search_calls]
+    searched = [d for d in demos if d.num_tool_calls]
     assert len(searched) == len(items)
     right = [d.reward_components["right_tool"] for d in searched]
     if share == 1.0:  # every hop asks its source, which holds the page: all correct, as with one search tool

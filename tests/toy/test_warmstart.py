@@ -42,7 +42,7 @@ def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
     for item, demo in zip(items, demos):
         generated = tokenizer.decode([t for t, m in zip(demo.response_ids, demo.response_mask) if m])
         assert generated.endswith("</answer>") and "<tool_response>" not in generated
-        assert demo.num_search_calls == item.metadata["hops"]
+        assert demo.num_tool_calls == item.metadata["hops"]
         full = tokenizer.decode(demo.prompt_ids + demo.response_ids)
         assert len(observations_in(full)) == item.metadata["hops"]
 
@@ -54,7 +54,7 @@ def test_demonstrations_follow_the_configured_imperfect_kinds(toy) -> None:
         items, load_world_meta(world), load_tokenizer(tok_dir), toy_retriever(world), imperfect_share=1.0,
         imperfect_kinds=["no_search"],
     )  # fmt: skip
-    assert [d.num_search_calls for d in demos] == [0] * len(items)
+    assert [d.num_tool_calls for d in demos] == [0] * len(items)
     with pytest.raises(ValueError, match=r"imperfect_kinds: unknown \['misread'\]"):
         WarmStartConfig(imperfect_kinds=["no_search", "misread"])
     with pytest.raises(ValueError, match=r"WarmStartConfig.hop2_imperfect_share must be in \[0, 1\], got 1.5"):

@@ -7,11 +7,12 @@ import json
 
 import pytest
 
+from dspo.agent import AgentConfig
+from dspo.agent.tool_calling import ToolCallingAgent, ToolFailureError
+from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment, SearchTool, SubEMReward
 from dspo.env.rewards import RewardResult
 from dspo.env.tools import Tool, ToolResult, ToolUnavailableError
-from dspo.rollout.agent import AgentConfig, SearchAgent, ToolFailureError
-from dspo.rollout.scripted import ScriptedEngine
 from dspo.types import QAItem
 
 PARIS = QAItem(id="q1", question="What is the capital of France?", golden_answers=["Paris"])
@@ -61,10 +62,12 @@ class StepReward(SubEMReward):
         ]
 
 
-def agent(tokenizer, retriever, scripts, tools=None, reward=None, share=0.5, **config) -> SearchAgent:
+def agent(tokenizer, retriever, scripts, tools=None, reward=None, share=0.5, **config) -> ToolCallingAgent:
     tools = tools if tools is not None else {"search": SearchTool(retriever, topk=1), "calc": Calculator()}
     env = Environment(tools, reward or SubEMReward(), max_tool_error_share=share)
-    return SearchAgent(ScriptedEngine(tokenizer, scripts), tokenizer, env, AgentConfig(**{"max_turns": 4, **config}))
+    return ToolCallingAgent(
+        ScriptedEngine(tokenizer, scripts), tokenizer, env, AgentConfig(**{"max_turns": 4, **config})
+    )
 
 
 def test_two_tools_one_batched_run_each_per_turn(qwen_tokenizer, retriever):
@@ -74,15 +77,16 @@ def test_two_tools_one_batched_run_each_per_turn(qwen_tokenizer, retriever):
         [call("calc", {"expression": "7"}), ANSWER],
     ]
     runner = agent(qwen_tokenizer, retriever, scripts, reward=StepReward())
-    trajectories = runner.rollout([PARIS], group_size=3, policy_version=0)[0].trajectories
+    result = runner.rollout([PARIS], group_size=3, policy_version=0)
+    trajectories = result.groups[0].trajectories
     calc = runner.tools["calc"]
     assert calc.batches == [["1+1", "7"], ["2*3"]]  # turn 0: two calls in one run; turn 1: one
     assert retriever.calls == [["Paris"], ["France"]]
     assert [t.tool_calls for t in trajectories] == [{"calc": 1, "search": 1}, {"search": 1, "calc": 1}, {"calc": 1}]
-    stats = runner.last_stats
+    stats = result.stats
     assert stats["calls/calc"] == 1.0 and stats["calls/search"] == pytest.approx(2 / 3)
     assert stats["tool/calc/length"] == pytest.approx((3 + 1 + 3) / 3)  # the tool's own metric, over its calls
-    prompt = qwen_tokenizer.decode(runner.prompt_ids(PARIS))
+    prompt = qwen_tokenizer.decode(runner.first_prompt(PARIS))
     assert '"name": "calc"' in prompt and '"name": "search"' in prompt  # both schemas rendered
     first = trajectories[0]
     assert first.step_rewards == [0.5, 0.5, None] and first.outcome == 1.0 and first.reward == 2.0
@@ -98,10 +102,10 @@ def test_tags_of_several_tools_in_search_r1_format(qwen_tokenizer, retriever):
     instruction = "Use <calc> e </calc> or <search> q </search>, then <answer> a </answer>. Question: {question}"
     tools = {"search": SearchTool(retriever, topk=1), "calc": Calculator()}
     env = Environment(tools, SubEMReward(), instruction=instruction)
-    runner = SearchAgent(
+    runner = ToolCallingAgent(
         ScriptedEngine(qwen_tokenizer, [turns]), qwen_tokenizer, env, AgentConfig(tag_format="searchr1")
     )
-    (trajectory,) = runner.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories
+    (trajectory,) = runner.rollout([PARIS], group_size=1, policy_version=0).groups[0].trajectories
     assert tools["calc"].batches == [["6*7"]] and retriever.calls == [["France"]]
     assert trajectory.tool_calls == {"calc": 1, "search": 1} and trajectory.reward == 1.0
     assert "Use <calc> e </calc>" in qwen_tokenizer.decode(trajectory.prompt_ids)  # env.instruction is the prompt
@@ -111,8 +115,9 @@ def test_tool_failures_are_messages_counted_and_bounded(qwen_tokenizer, retrieve
     scripts = [[call("calc", {"expression": "9**9**9"}), ANSWER], [call("calc", {"expression": "1"}), ANSWER]]
     tools = {"calc": Calculator(fail_on="9**9**9")}
     runner = agent(qwen_tokenizer, retriever, scripts, tools=tools, share=0.5)
-    failed, fine = runner.rollout([PARIS], group_size=2, policy_version=0)[0].trajectories
-    assert runner.last_stats["tool_errors/calc"] == 1.0 and "invalid_calls" in runner.last_stats
+    result = runner.rollout([PARIS], group_size=2, policy_version=0)
+    failed, fine = result.groups[0].trajectories
+    assert result.stats["tool_errors/calc"] == 1.0 and "invalid_calls" in result.stats
     assert failed.num_invalid_calls == 0 and failed.reward == 1.0  # the model's call was right: not its fault
     strict = agent(qwen_tokenizer, retriever, scripts, tools={"calc": Calculator(fail_on="9**9**9")}, share=0.25)
     with pytest.raises(
@@ -130,9 +135,10 @@ def test_a_tool_that_raises_fails_each_call_of_its_batch_with_a_message(qwen_tok
     runner = agent(
         qwen_tokenizer, failing_retriever, scripts, tools={"search": SearchTool(failing_retriever)}, share=1.0
     )
-    (trajectory,) = runner.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories
+    result = runner.rollout([PARIS], group_size=1, policy_version=0)
+    (trajectory,) = result.groups[0].trajectories
     assert "Error: the search tool failed on this call (ConnectionError: retrieval service" in trajectory.response_text
-    assert runner.last_stats["tool_errors/search"] == 1.0
+    assert result.stats["tool_errors/search"] == 1.0
 
 
 def test_a_reward_with_the_wrong_number_of_step_rewards_is_refused(qwen_tokenizer, retriever):
@@ -165,7 +171,8 @@ def test_a_component_is_averaged_over_the_trajectories_that_report_it(qwen_token
         [ANSWER],  # no call: no calc_share (a 0 here would read as "called the wrong tool")
     ]
     runner = agent(qwen_tokenizer, retriever, scripts, reward=CalcShareReward())
-    trajectories = runner.rollout([PARIS], group_size=3, policy_version=0)[0].trajectories
+    result = runner.rollout([PARIS], group_size=3, policy_version=0)
+    trajectories = result.groups[0].trajectories
     assert [t.reward_components.get("calc_share") for t in trajectories] == [0.5, 1.0, None]
-    assert runner.last_stats["reward/calc_share"] == pytest.approx(0.75)
-    assert runner.last_stats["reward/subem"] == 1.0
+    assert result.stats["reward/calc_share"] == pytest.approx(0.75)
+    assert result.stats["reward/subem"] == 1.0

@@ -1,9 +1,10 @@
-"""The search environment of one training process: engine + agent + group filter (Algorithm 1, step 2).
+"""`RoundSampler`: one rank's round of kept groups from an agent and the group filter (Algorithm 1, step 2).
 
-`RolloutEnvironment.sample_round` draws prompts, rolls out G trajectories per prompt, keeps the groups the filter
-accepts (Eq. 9 for DSPO/DAPO) and repeats until B groups are kept. It over-samples: each engine call asks for
-`ceil(missing / keep_rate_estimate)` prompts (bounded), so a low keep-rate costs few extra engine calls rather than
-many small ones. Groups kept beyond B are dropped (they would be off-policy next round) and counted as waste.
+(Named `RolloutEnvironment` until issue 41: "environment" now means only `dspo.env.Environment`, the tools and reward
+the agent acts in.) `RoundSampler.sample_round` draws prompts, rolls out G trajectories per prompt, keeps the groups the
+filter accepts (Eq. 9 for DSPO/DAPO) and repeats until B groups are kept. It over-samples: each engine call asks for
+`ceil(missing / keep_rate_estimate)` prompts (bounded), so a low keep-rate costs few extra engine calls rather than many
+small ones. Groups kept beyond B are dropped (they would be off-policy next round) and counted as waste.
 
 Multi-process: each rank fills B / world_size groups; `all_done` (an all-reduce supplied by the caller) makes every
 rank keep sampling until all ranks are full, so every rank takes the same number of optimizer steps.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.data.datamodule import PromptSampler
+from dspo.data.rounds import PromptSampler
 from dspo.types import RolloutGroup
 
 
@@ -54,7 +55,13 @@ class ToolAndRewardStats:
         return {(key if key.startswith("reward/") else f"rollout/{key}"): value for key, value in named.items()}
 
 
-class RolloutEnvironment:
+class RoundSampler:
+    """Args:
+    agent: the `dspo.agent.Agent` that rolls prompts out (its `AgentRollout.stats` feed the round's statistics).
+    spec: the algorithm (group size, B, filter, over-sampling bounds).
+    rank, world_size: this rank's share is B / world_size groups.
+    """
+
     def __init__(self, agent, spec: AlgorithmConfig, rank: int = 0, world_size: int = 1) -> None:
         spec.check_world_size(world_size)
         self.agent, self.spec = agent, spec
@@ -72,7 +79,7 @@ class RolloutEnvironment:
     ) -> tuple[list[RolloutGroup], dict[str, float]]:
         """Fill this rank's share of B mixed groups. Returns the groups and rollout statistics for logging."""
         kept: list[RolloutGroup] = []
-        sampled = passed = calls = tokens = kept_tokens = search_calls = invalid = trajectories = 0
+        sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = 0
         reward_sum = 0.0
         details = ToolAndRewardStats()
         retriever = getattr(self.agent, "retriever", None)
@@ -91,9 +98,10 @@ class RolloutEnvironment:
                 continue  # this rank is full; it keeps answering the collective until every rank is
             n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / self.keep_rate_estimate))
             drawn = sampler.take(n_prompts)
-            groups = self.agent.rollout(
+            result = self.agent.rollout(
                 [item for _, item in drawn], self.spec.group_size, policy_version, seed=seed + calls
             )
+            groups, stats = result.groups, result.stats
             for group, (index, _) in zip(groups, drawn):
                 group.prompt_index = index
             rewards = torch.stack([g.rewards for g in groups])  # [n, G] what the advantages use
@@ -104,8 +112,7 @@ class RolloutEnvironment:
                 if keep_it and len(kept) < self.local_target:
                     kept.append(group)
                     kept_tokens += n_tok
-            stats = self.agent.last_stats
-            search_calls += stats.get("search_calls_mean", 0.0) * len(groups) * self.spec.group_size
+            tool_calls += stats.get("tool_calls_mean", 0.0) * len(groups) * self.spec.group_size
             invalid += stats.get("invalid_calls", 0.0)
             details.add(stats, len(groups) * self.spec.group_size)
             trajectories += len(groups) * self.spec.group_size
@@ -122,7 +129,7 @@ class RolloutEnvironment:
             "rollout/engine_calls": float(calls),
             "rollout/wasted_token_share": 1.0 - kept_tokens / max(tokens, 1),
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
-            "rollout/search_calls_mean": search_calls / max(trajectories, 1),
+            "rollout/tool_calls_mean": tool_calls / max(trajectories, 1),
             "rollout/invalid_calls": float(invalid),
             "rollout/sampled_reward_mean": reward_sum / max(trajectories, 1),
             "rollout/generated_tokens": float(tokens),  # every sampled token, filtered-out groups included

@@ -1,4 +1,4 @@
-"""`EnvironmentCallback`: Lightning hooks driving the round producer: skipped steps, resume at a round boundary, slots,
+"""`RolloutCallback`: Lightning hooks driving the round producer: skipped steps, resume at a round boundary, slots,
 samples, export, evaluation slots, config checks (the producer's own state: tests/rollout/test_producer.py).
 
 Runs use a toy Qwen2 model, scripted rollouts and a recording engine (`dspo.testing`) under a real Lightning Trainer.
@@ -13,12 +13,14 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from dspo.agent import AgentConfig
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.callbacks.environment_callback import EnvironmentCallback
+from dspo.callbacks.rollout_callback import RolloutCallback, module_root, trainer_link
 from dspo.data.datamodule import EvalSlot
 from dspo.models import ModelConfig
+from dspo.models.weights import policy_weights
 from dspo.module import DSPOModule
-from dspo.rollout.agent import AgentConfig
+from dspo.rollout.link import TrainerLink
 from dspo.rollout.sides import LocalEngine
 from dspo.testing import RecordingEngine, build_toy_lm, toy_run
 
@@ -44,8 +46,8 @@ class Poisoned(DSPOModule):
         return super().training_step(slot, batch_idx)
 
 
-def _callback(**algorithm) -> EnvironmentCallback:
-    return EnvironmentCallback(None, None, None, AlgorithmConfig(**algorithm), ModelConfig(path="unused"))
+def _callback(**algorithm) -> RolloutCallback:
+    return RolloutCallback(None, None, None, AlgorithmConfig(**algorithm), ModelConfig(path="unused"))
 
 
 def test_a_skipped_step_does_not_end_the_run(lm_dir, tmp_path):
@@ -104,8 +106,8 @@ def test_sampling_and_training_temperatures_are_one_key():
     cfg = OmegaConf.create({"algorithm": {"temperature": 0.7}, "rollout": {"agent": agent}})
     assert cfg.rollout.agent.temperature == 0.7
     with pytest.raises(ValueError, match="rollout.agent.temperature=0.7 differs from algorithm.temperature=1.0"):
-        EnvironmentCallback(None, AgentConfig(temperature=0.7), None, AlgorithmConfig(), ModelConfig(path="unused"))
-    EnvironmentCallback(None, AgentConfig(temperature=0.7), None, AlgorithmConfig(temperature=0.7), ModelConfig("x"))
+        RolloutCallback(None, AgentConfig(temperature=0.7), None, AlgorithmConfig(), ModelConfig(path="unused"))
+    RolloutCallback(None, AgentConfig(temperature=0.7), None, AlgorithmConfig(temperature=0.7), ModelConfig("x"))
 
 
 def test_per_rank_divisibility_is_checked_at_setup():
@@ -130,7 +132,7 @@ class Slots(DSPOModule):
 
 def test_rounds_fill_their_slots_with_per_round_seeds_and_samples_every_n_rounds(lm_dir, tmp_path):
     """M = 2 over 3 rounds, run seed 3: each round is sampled in one engine call whose seed is the round's
-    (seed·1,000,003 + round·1,009) + the call's number (1, `RolloutEnvironment`), with policy version = round. A
+    (seed·1,000,003 + round·1,009) + the call's number (1, `RoundSampler`), with policy version = round. A
     round's first slot carries every micro-batch of the round (for the old logprobs), the second none; sample
     trajectories are written on rounds 0 and 2 (`sample_every_n_rounds` = 2)."""
     import dspo.rollout.producer as env_module
@@ -191,12 +193,12 @@ class _Experiment:
         self.texts.append((tag, text, global_step))
 
 
-def test_sample_trajectories_are_written_as_text_with_rewards_and_searches():
+def test_sample_trajectories_are_written_as_text_with_rewards_and_tool_calls():
     from dspo.types import QAItem, RolloutGroup, Trajectory
 
     item = QAItem(id="7", question="Who founded Lipindale?", golden_answers=["Rotha Drouzol"])
     trajectories = [
-        Trajectory([1], [2, 3], [1, 1], [-1.0, -1.0], reward, response_text=text, num_search_calls=searches)
+        Trajectory([1], [2, 3], [1, 1], [-1.0, -1.0], reward, response_text=text, num_tool_calls=searches)
         for reward, text, searches in ((1.0, "first\nline", 2), (0.0, "second", 0))
     ]
     experiment = _Experiment()
@@ -206,7 +208,7 @@ def test_sample_trajectories_are_written_as_text_with_rewards_and_searches():
     [(tag, text, step)] = experiment.texts
     assert tag == "rollout/sample" and step == 12
     assert "Who founded Lipindale?" in text and "['Rotha Drouzol']" in text
-    assert "**#0 reward=1.0 searches=2**" in text and "**#1 reward=0.0 searches=0**" in text
+    assert "**#0 reward=1.0 tool_calls=2**" in text and "**#1 reward=0.0 tool_calls=0**" in text
     assert "first  \nline" in text and "\n---\n**#1" in text  # markdown line breaks, one block per trajectory
     _callback()._write_samples(SimpleNamespace(loggers=[], global_step=0), RolloutGroup(item, trajectories))
     no_text = SimpleNamespace(loggers=[scalars_only], global_step=0)  # no logger that takes text
@@ -222,7 +224,7 @@ def test_the_trained_policy_is_exported_unless_preempted(lm_dir, tmp_path, caplo
     from dspo.record import read_model_record
 
     run = toy_run(lm_dir, str(tmp_path), 2)
-    run.module.run_record = {"format": 1, "config": {"rollout": {"agent": {"topk": 1}}}}  # as dspo.train sets it
+    run.module.run_record = {"format": 1, "config": {"rollout": {"agent": {"max_turns": 3}}}}  # as dspo.train sets it
     run.trainer.fit(run.module, datamodule=run.datamodule)
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
     assert run.callback.exported_to == str(tmp_path / "model")
@@ -235,7 +237,7 @@ def test_the_trained_policy_is_exported_unless_preempted(lm_dir, tmp_path, caplo
     preemption.saved_to = str(tmp_path / "preempted.ckpt")  # what it records after a SIGTERM's checkpoint
     stopped = SimpleNamespace(callbacks=[preemption], default_root_dir=str(tmp_path / "other"))
     run.callback.export_dir = None
-    with caplog.at_level(logging.INFO, logger="dspo.callbacks.environment_callback"):
+    with caplog.at_level(logging.INFO, logger="dspo.callbacks.rollout_callback"):
         run.callback.on_train_end(stopped, run.module)
     assert not (tmp_path / "other").exists()
     assert caplog.records[-1].getMessage() == "preempted: the policy is not exported (resume with ckpt_path=last)"
@@ -246,7 +248,7 @@ def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_pa
 
     calls = []
     monkeypatch.setattr(pipeline, "predict", lambda agent, items, size, **kw: calls.append((agent, items, size, kw)))
-    callback = EnvironmentCallback(None, None, None, AlgorithmConfig(), ModelConfig("unused"), eval_batch_size=5)
+    callback = RolloutCallback(None, None, None, AlgorithmConfig(), ModelConfig("unused"), eval_batch_size=5)
     callback.producer.attach(LocalEngine(None, "agent", None))
     callback.producer.state.completed = 7
     callback.predict(["q"])
@@ -273,20 +275,20 @@ def test_error_and_log_messages_word_for_word(lm_dir, tmp_path, caplog):
     import logging
 
     with pytest.raises(ValueError) as mismatch:
-        EnvironmentCallback(None, {"temperature": 0.5}, None, AlgorithmConfig(), ModelConfig(path="unused"))
+        RolloutCallback(None, {"temperature": 0.5}, None, AlgorithmConfig(), ModelConfig(path="unused"))
     assert str(mismatch.value) == (
         "rollout.agent.temperature=0.5 differs from algorithm.temperature=1.0: the trainer would score a "
         "distribution that was not sampled. Set only algorithm.temperature (conf/rollout/*.yaml interpolate it)"
     )
-    EnvironmentCallback(None, {}, None, AlgorithmConfig(), ModelConfig(path="unused"))  # no temperature given: fine
+    RolloutCallback(None, {}, None, AlgorithmConfig(), ModelConfig(path="unused"))  # no temperature given: fine
     with pytest.raises(TypeError) as wrong:
         _callback().on_train_batch_start(None, None, [1], 0)
     assert str(wrong.value) == (
-        "EnvironmentCallback expects RoundSlot train batches (RolloutDataModule), got <class 'list'>"
+        "RolloutCallback expects RoundSlot train batches (RolloutDataModule), got <class 'list'>"
     )
     mid_round = _callback()
     state = {**mid_round.state_dict(), "rounds_completed": 4, "cursor": 1}
-    names = ("dspo.callbacks.environment_callback", "dspo.rollout.producer")
+    names = ("dspo.callbacks.rollout_callback", "dspo.rollout.producer")
     with caplog.at_level(logging.INFO):
         mid_round.load_state_dict(state)
         run = toy_run(lm_dir, str(tmp_path), 1)
@@ -301,10 +303,15 @@ def test_error_and_log_messages_word_for_word(lm_dir, tmp_path, caplog):
 def test_validation_and_test_first_push_weights_that_changed():
     callback, engine = _callback(), RecordingEngine(version=0)
     callback.producer.attach(LocalEngine(engine, None, None))
+    module = {"root": _Root(weights_version=0)}  # the module the trainer holds, as `trainer_link` reads it
     trainer = SimpleNamespace(strategy=SimpleNamespace(model=None))
-    callback.on_validation_start(trainer, _Root(weights_version=0))
+    callback.producer.link = TrainerLink(
+        weights=lambda: policy_weights(module_root(trainer, module["root"])),
+        weights_version=lambda: module["root"].weights_version,
+    )
+    callback.on_validation_start(trainer, module["root"])
     assert engine.pushes == []  # the engine already holds these weights
-    root = _Root(weights_version=3)
+    module["root"] = root = _Root(weights_version=3)
     callback.on_test_start(trainer, root)
     assert [v for v, _ in engine.pushes] == [3] and engine.version == 3
     assert torch.equal(engine.pushes[0][1]["weight"], root.policy.weight)
@@ -359,6 +366,24 @@ def test_each_round_tells_the_environment_where_training_is_and_uses_its_credit(
         env_module.build_round = build_round
     assert run.agent.env.progress == [(0, 4), (2, 4)] and credits == ["trajectory", "trajectory"]
     with pytest.raises(ValueError, match="env.reward.credit=turn .* objective 'dspo'"):
-        EnvironmentCallback(
-            None, None, Environment({}, SubEMReward(credit="turn")), AlgorithmConfig(), ModelConfig("m")
-        )
+        RolloutCallback(None, None, Environment({}, SubEMReward(credit="turn")), AlgorithmConfig(), ModelConfig("m"))
+
+
+def test_the_trainer_link_reads_lightning_where_the_producer_needs_it():
+    """Issue 41: the callback hands the producer plain callables over the trainer and module it was set up with."""
+    votes = []
+    strategy = SimpleNamespace(
+        model=None, root_device=torch.device("cpu"), reduce_boolean_decision=lambda flag, all: votes.append(all) or flag
+    )
+    trainer = SimpleNamespace(
+        strategy=strategy, global_step=7, max_steps=20, training=False, state=SimpleNamespace(fn="fit"),
+        datamodule=SimpleNamespace(sampler="sampler"), global_rank=1, world_size=1, local_rank=0, num_nodes=1,
+    )  # fmt: skip
+    root = _Root(weights_version=4)
+    link = trainer_link(trainer, root)
+    assert link.weights_version() == 4 and link.progress() == (7, 20) and link.fitting() and link.sampler() == "sampler"
+    assert [name for name, _ in link.weights()] == ["weight", "bias"] and module_root(trainer, root) is root
+    assert link.all_true(True) and votes == [True] and link.max_over_ranks is None  # one rank: nothing to agree on
+    assert (link.rank, link.world_size, link.local_world_size, link.device) == (1, 1, 1, torch.device("cpu"))
+    root.weights_version, trainer.global_step = 5, 8  # read when asked, not when the link was made
+    assert link.weights_version() == 5 and link.progress() == (8, 20)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspo.rollout.engine import HFEngine, RolloutEngine, SamplingConfig
-from dspo.rollout.scripted import ScriptedEngine
+from dspo.engines import HFEngine, RolloutEngine, SamplingConfig
+from dspo.engines.scripted import ScriptedEngine
 
 STOPS = ["</tool_call>", "</answer>"]
 
@@ -93,7 +93,7 @@ def test_modules_that_crash_vllm_kernel_scan_are_hidden_while_it_starts():
     import sys
     import types
 
-    from dspo.rollout.engine import _hide_modules_breaking_vllm
+    from dspo.engines.vllm import _hide_modules_breaking_vllm
 
     class Weird:  # like llvmlite's _lib_wrapper: __dict__ is forwarded to something that is not a dict
         __slots__ = ()
@@ -106,7 +106,7 @@ def test_modules_that_crash_vllm_kernel_scan_are_hidden_while_it_starts():
     sys.modules[module.__name__] = module
     try:
         with _hide_modules_breaking_vllm():
-            assert module.__name__ not in sys.modules and "dspo.rollout.engine" in sys.modules
+            assert module.__name__ not in sys.modules and "dspo.engines.vllm" in sys.modules
         assert sys.modules[module.__name__] is module
     finally:
         del sys.modules[module.__name__]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from dspo.rollout.engine import SamplingConfig
+from dspo.engines.base import SamplingConfig
 from dspo.types import Generation
 
 ScriptFn = Callable[[str, int, int], str]
@@ -23,7 +23,7 @@ class ScriptedEngine:
     of the texts of its turns (`script[trajectory_index][turn_index]`). `prompt_text` is the decoded prompt (chat
     template + everything so far). Trajectories are identified by their token history: a prompt that continues an
     earlier prompt + its output belongs to that trajectory (lowest index first); any other prompt starts a new one.
-    Indices count from 0 since the last `reset_episodes()`, which `SearchAgent.rollout` calls, so within one
+    Indices count from 0 since the last `reset_episodes()`, which `ToolCallingAgent.rollout` calls, so within one
     `rollout(items, group_size)` the trajectory index is `item_position * group_size + g`.
 
     A scripted text is cut after its first stop string; a text with no stop string ends with EOS appended (the model

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from dspo.agent import parsing
 from dspo.env import SearchTool
 from dspo.env.tools import Tool
-from dspo.rollout import parsing
 
 SEARCH = {"search": SearchTool(retriever=None, max_queries_per_call=3, max_query_chars=20)}
 

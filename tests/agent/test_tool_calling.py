@@ -1,4 +1,4 @@
-"""SearchAgent + ScriptedEngine on the real Qwen2.5 chat template: exact masks, tool turns, malformed calls."""
+"""ToolCallingAgent + ScriptedEngine on the real Qwen2.5 chat template: exact masks, tool turns, malformed calls."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from dspo.rollout import parsing
-from dspo.rollout.agent import AgentConfig, SearchAgent, ToolFailureError
-from dspo.rollout.prompts import SEARCH_TOOL_SCHEMA, build_messages
-from dspo.rollout.scripted import ScriptedEngine
+from dspo.agent import AgentConfig, parsing
+from dspo.agent.prompts import SEARCH_TOOL_SCHEMA, build_messages
+from dspo.agent.tool_calling import ToolCallingAgent, ToolFailureError
+from dspo.engines.scripted import ScriptedEngine
+from dspo.env import Environment
 from dspo.types import QAItem
 
 PARIS = QAItem(id="q1", question="What is the capital of France?", golden_answers=["Paris"])
@@ -42,15 +43,16 @@ def env_turns(tokenizer, traj) -> list[str]:
     return [tokenizer.decode(traj.response_ids[s:e]) for v, s, e in runs(traj.response_mask) if v == 0]
 
 
-def make_agent(tokenizer, retriever, scripts, **overrides) -> SearchAgent:
-    config = AgentConfig(**{"max_turns": 4, "topk": 2, **overrides})
-    return SearchAgent(ScriptedEngine(tokenizer, scripts), tokenizer, retriever, config)
+def make_agent(tokenizer, retriever, scripts, **overrides) -> ToolCallingAgent:
+    config = AgentConfig(**{"max_turns": 4, **overrides})
+    env = Environment.search(retriever, topk=2)
+    return ToolCallingAgent(ScriptedEngine(tokenizer, scripts), tokenizer, env, config)
 
 
 def test_masks_decode_to_model_turns_and_match_chat_template(qwen_tokenizer, retriever):
     turns = [call(["capital of France"]), ANSWER]
     agent = make_agent(qwen_tokenizer, retriever, [turns])
-    (group,) = agent.rollout([PARIS], group_size=1, policy_version=7)
+    (group,) = agent.rollout([PARIS], group_size=1, policy_version=7).groups
     traj = group.trajectories[0]
     assert len(traj.response_ids) == len(traj.response_mask) == len(traj.engine_logprobs)
     assert model_turns(qwen_tokenizer, traj) == turns
@@ -73,7 +75,7 @@ def test_masks_decode_to_model_turns_and_match_chat_template(qwen_tokenizer, ret
     # No template / tool token is trained.
     special = {qwen_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
     assert not any(t in special for t, m in zip(traj.response_ids, traj.response_mask) if m == 1)
-    assert (traj.reward, traj.answer, traj.num_turns, traj.num_search_calls) == (1.0, "Paris", 2, 1)
+    assert (traj.reward, traj.answer, traj.num_turns, traj.num_tool_calls) == (1.0, "Paris", 2, 1)
     assert (traj.num_invalid_calls, traj.truncated, traj.policy_version) == (0, False, 7)
     assert traj.engine_logprobs == [0.0] * len(traj.response_ids)
     assert traj.response_text == qwen_tokenizer.decode(traj.response_ids)
@@ -87,11 +89,12 @@ def test_batched_groups_one_search_per_turn(qwen_tokenizer, retriever):
         [call(["Germany"]), "<answer> Berlin </answer>"],
     ]
     agent = make_agent(qwen_tokenizer, retriever, scripts)
-    groups = agent.rollout([PARIS, BERLIN], group_size=2, policy_version=3, seed=1)
+    result = agent.rollout([PARIS, BERLIN], group_size=2, policy_version=3, seed=1)
+    groups = result.groups
     assert [g.prompt_index for g in groups] == [0, 1]
     assert [g.item.id for g in groups] == ["q1", "q2"]
     assert [t.reward for g in groups for t in g.trajectories] == [1.0, 1.0, 1.0, 1.0]
-    assert [t.num_search_calls for g in groups for t in g.trajectories] == [1, 2, 0, 1]
+    assert [t.num_tool_calls for g in groups for t in g.trajectories] == [1, 2, 0, 1]
     assert [model_turns(qwen_tokenizer, t) for g in groups for t in g.trajectories] == scripts
     # turn 0: three trajectories search (4 queries) in ONE retriever call; turn 1: one call.
     assert retriever.calls == [["France", "Paris", "Eiffel", "Germany"], ["tower"]]
@@ -99,10 +102,10 @@ def test_batched_groups_one_search_per_turn(qwen_tokenizer, retriever):
     multi = groups[0].trajectories[1]
     obs = env_turns(qwen_tokenizer, multi)[0]
     assert 'Results for "Paris":\nDoc 1 (Title: Paris)' in obs and 'Results for "Eiffel":' in obs
-    stats = agent.last_stats
-    assert stats["search_calls_mean"] == 1.0 and stats["turns_mean"] == 2.0 and stats["invalid_calls"] == 0
+    stats = result.stats
+    assert stats["tool_calls_mean"] == 1.0 and stats["turns_mean"] == 2.0 and stats["invalid_calls"] == 0
     assert stats["generated_tokens"] == sum(t.num_generated_tokens for g in groups for t in g.trajectories)
-    for key in ("generation_s", "search_s", "other_s", "tokens_per_s", "response_len_mean", "truncated_frac"):
+    for key in ("generation_s", "tool_s", "other_s", "tokens_per_s", "response_len_mean", "truncated_frac"):
         assert key in stats
 
 
@@ -124,29 +127,31 @@ SEARCH_TOOL_KINDS = {parsing.BAD_ARGUMENTS, parsing.EMPTY_QUERY, parsing.TOO_MAN
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
 def test_malformed_call_becomes_observation_and_episode_continues(qwen_tokenizer, retriever, kind):
     agent = make_agent(qwen_tokenizer, retriever, [[MALFORMED[kind], ANSWER]])
-    traj = agent.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories[0]
+    result = agent.rollout([PARIS], group_size=1, policy_version=0)
+    traj = result.groups[0].trajectories[0]
     assert model_turns(qwen_tokenizer, traj) == [MALFORMED[kind], ANSWER]
     (tool_turn,) = env_turns(qwen_tokenizer, traj)
     assert "<tool_response>\nError: " in tool_turn
-    assert (traj.num_invalid_calls, traj.num_search_calls, traj.reward) == (1, 0, 1.0)
+    assert (traj.num_invalid_calls, traj.num_tool_calls, traj.reward) == (1, 0, 1.0)
     tool = "search" if kind in SEARCH_TOOL_KINDS else parsing.NO_TOOL  # counted per tool once one can be told
-    assert agent.last_stats[f"invalid/{tool}/{kind}"] == 1.0 and agent.last_stats["invalid_calls"] == 1.0
+    assert result.stats[f"invalid/{tool}/{kind}"] == 1.0 and result.stats["invalid_calls"] == 1.0
     assert retriever.calls == []
 
 
 def test_call_in_last_turn_ends_episode(qwen_tokenizer, retriever):
     agent = make_agent(qwen_tokenizer, retriever, [[call(["a"]), call(["b"])]], max_turns=2)
-    traj = agent.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories[0]
-    assert (traj.num_turns, traj.num_search_calls, traj.num_invalid_calls, traj.truncated) == (2, 1, 1, True)
-    assert agent.last_stats[f"invalid/{parsing.NO_TOOL}/{parsing.CALL_AFTER_LAST_TURN}"] == 1.0
+    result = agent.rollout([PARIS], group_size=1, policy_version=0)
+    traj = result.groups[0].trajectories[0]
+    assert (traj.num_turns, traj.num_tool_calls, traj.num_invalid_calls, traj.truncated) == (2, 1, 1, True)
+    assert result.stats[f"invalid/{parsing.NO_TOOL}/{parsing.CALL_AFTER_LAST_TURN}"] == 1.0
     assert "one turn left" in env_turns(qwen_tokenizer, traj)[0]
     assert traj.response_mask[-1] == 1 and traj.reward == 0.0 and traj.answer is None
 
 
 def test_plain_query_string_accepted(qwen_tokenizer, retriever):
     agent = make_agent(qwen_tokenizer, retriever, [[call("Eiffel Tower", key="query"), ANSWER]])
-    traj = agent.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories[0]
-    assert retriever.calls == [["Eiffel Tower"]] and traj.num_search_calls == 1
+    traj = agent.rollout([PARIS], group_size=1, policy_version=0).groups[0].trajectories[0]
+    assert retriever.calls == [["Eiffel Tower"]] and traj.num_tool_calls == 1
 
 
 def test_failing_retriever_fails_round_clearly(qwen_tokenizer, failing_retriever):
@@ -159,19 +164,19 @@ def test_failing_retriever_fails_round_clearly(qwen_tokenizer, failing_retriever
 
 def test_observation_truncated_and_total_length_capped(qwen_tokenizer, retriever):
     agent = make_agent(qwen_tokenizer, retriever, [[call(["Paris"]), ANSWER]], max_obs_tokens=5)
-    traj = agent.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories[0]
+    traj = agent.rollout([PARIS], group_size=1, policy_version=0).groups[0].trajectories[0]
     wrapper = len(agent.tool_turn.prefix_ids) + len(agent.tool_turn.suffix_ids)
     assert [e - s for v, s, e in runs(traj.response_mask) if v == 0] == [wrapper + 5]
-    prompt_len = len(agent.prompt_ids(PARIS))
+    prompt_len = len(agent.first_prompt(PARIS))
     capped = make_agent(qwen_tokenizer, retriever, [[call(["Paris"]), ANSWER]], max_total_tokens=prompt_len + 10)
-    traj = capped.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories[0]
+    traj = capped.rollout([PARIS], group_size=1, policy_version=0).groups[0].trajectories[0]
     assert len(traj.prompt_ids) + len(traj.response_ids) == prompt_len + 10
     assert traj.truncated and set(traj.response_mask) == {1} and traj.num_turns == 1
 
 
 def test_answer_inside_retrieved_document_does_not_score(qwen_tokenizer, retriever):
     agent = make_agent(qwen_tokenizer, retriever, [[call(["says this document"]), "I am not sure."]])
-    traj = agent.rollout([PARIS], group_size=1, policy_version=0)[0].trajectories[0]
+    traj = agent.rollout([PARIS], group_size=1, policy_version=0).groups[0].trajectories[0]
     assert "<answer> Paris </answer>" in traj.response_text
     assert traj.answer is None and traj.reward == 0.0
     assert model_turns(qwen_tokenizer, traj)[-1] == "I am not sure.<|im_end|>"  # EOS appended, mask 1
@@ -180,12 +185,12 @@ def test_answer_inside_retrieved_document_does_not_score(qwen_tokenizer, retriev
 def test_searchr1_format(qwen_tokenizer, retriever):
     turns = ["<think>hm</think>\n<search> capital of France </search>", ANSWER]
     agent = make_agent(qwen_tokenizer, retriever, [turns, ["<search>  </search>", ANSWER]], tag_format="searchr1")
-    good, bad = agent.rollout([PARIS], group_size=2, policy_version=0)[0].trajectories
+    good, bad = agent.rollout([PARIS], group_size=2, policy_version=0).groups[0].trajectories
     assert model_turns(qwen_tokenizer, good) == turns
     (info,) = env_turns(qwen_tokenizer, good)
     assert info.startswith("\n\n<information>Doc 1 (Title: Paris)") and info.endswith("</information>\n\n")
     assert retriever.calls == [["capital of France"]]
-    assert (good.reward, good.num_search_calls, bad.num_invalid_calls, bad.reward) == (1.0, 1, 1, 1.0)
+    assert (good.reward, good.num_tool_calls, bad.num_invalid_calls, bad.reward) == (1.0, 1, 1, 1.0)
     assert "<tool_call>" not in qwen_tokenizer.decode(good.prompt_ids)
 
 
@@ -202,11 +207,14 @@ def test_an_observation_that_leaves_no_room_to_answer_ends_the_episode(qwen_toke
     """The cap check before a tool turn: prompt + turn 1 + tool turn must stay below max_total_tokens, else the
     episode ends after turn 1 (no mask-0 tokens the model could never follow up on)."""
     turns = [call(["Paris"]), ANSWER]
-    full = make_agent(qwen_tokenizer, retriever, [turns]).rollout([PARIS], 1, 0)[0].trajectories[0]
+    full = make_agent(qwen_tokenizer, retriever, [turns]).rollout([PARIS], 1, 0).groups[0].trajectories[0]
     (first, observation, _) = [e - s for _, s, e in runs(full.response_mask)]
     cap = len(full.prompt_ids) + first + observation + spare
     traj = (
-        make_agent(qwen_tokenizer, retriever, [turns], max_total_tokens=cap).rollout([PARIS], 1, 0)[0].trajectories[0]
+        make_agent(qwen_tokenizer, retriever, [turns], max_total_tokens=cap)
+        .rollout([PARIS], 1, 0)
+        .groups[0]
+        .trajectories[0]
     )
     assert len(traj.prompt_ids) + len(traj.response_ids) <= cap
     if spare <= 0:  # the tool turn would fill the cap: it is not appended

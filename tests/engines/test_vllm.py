@@ -8,9 +8,10 @@ import os
 import pytest
 import torch
 
-from dspo.rollout.agent import AgentConfig, SearchAgent
-from dspo.rollout.engine import SamplingConfig
-from dspo.rollout.prompts import SEARCH_TOOL_SCHEMA, build_messages
+from dspo.agent import AgentConfig
+from dspo.agent.prompts import SEARCH_TOOL_SCHEMA, build_messages
+from dspo.agent.tool_calling import ToolCallingAgent
+from dspo.engines.base import SamplingConfig
 from dspo.toy.model import steer_tiny_model
 from dspo.types import QAItem
 
@@ -29,7 +30,7 @@ def hf_model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     pytest.importorskip("vllm")
-    from dspo.rollout.engine import VLLMEngine
+    from dspo.engines import VLLMEngine
 
     return VLLMEngine(tiny_model_dir, dtype="float32", max_model_len=2048, kv_cache_space_gb=0.5, seed=0)
 
@@ -74,13 +75,14 @@ def test_multiturn_rollout_masks_and_logprobs(engine, hf_model, qwen_tokenizer, 
     steer_tiny_model(hf_model, {close: 0.2, qwen_tokenizer.eos_token_id: 0.02})
     engine.push_weights(hf_model.state_dict().items(), version=2)
     config = AgentConfig(max_turns=3, max_new_tokens_per_turn=24, max_obs_tokens=32, max_total_tokens=1024)
-    agent = SearchAgent(engine, qwen_tokenizer, retriever, config)
+    agent = ToolCallingAgent(engine, qwen_tokenizer, retriever, config)
     items = [QAItem(id=str(i), question=q, golden_answers=["x"]) for i, q in enumerate(["Who?", "Where is it?"])]
-    groups = agent.rollout(items, group_size=3, policy_version=engine.version, seed=0)
+    result = agent.rollout(items, group_size=3, policy_version=engine.version, seed=0)
+    groups = result.groups
     trajectories = [t for g in groups for t in g.trajectories]
     assert [len(g.trajectories) for g in groups] == [3, 3] and {t.policy_version for t in trajectories} == {2}
     assert max(t.num_turns for t in trajectories) >= 2, "expected at least one multi-turn episode"
-    assert agent.last_stats["invalid_calls"] >= 1 and agent.last_stats["tokens_per_s"] > 0
+    assert result.stats["invalid_calls"] >= 1 and result.stats["tokens_per_s"] > 0
     prefix, suffix = agent.tool_turn.prefix_text, agent.tool_turn.suffix_text
     for traj, item in zip(trajectories, [i for i in items for _ in range(3)]):
         mask, ids = traj.response_mask, traj.response_ids

@@ -2,9 +2,10 @@ import math
 
 import pytest
 
+from dspo.agent import AgentRollout
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
-from dspo.rollout.environment import RolloutEnvironment, SamplingExhausted
+from dspo.rollout.sampler import RoundSampler, SamplingExhausted
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 ITEMS = [QAItem(id=str(i), question=f"q{i}", golden_answers=["a"]) for i in range(50)]
@@ -15,7 +16,7 @@ class FakeAgent:
 
     def __init__(self):
         self.calls, self.seeds, self.ids = [], [], []
-        self.last_stats = {"search_calls_mean": 1.0, "invalid_calls": 0.0}
+        self.stats = {"tool_calls_mean": 1.0, "invalid_calls": 0.0}
 
     def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
         self.calls.append(len(items))
@@ -29,12 +30,12 @@ class FakeAgent:
                 Trajectory([1], [2, 3], [1, 1], [0.0, 0.0], reward=r, policy_version=policy_version) for r in rewards
             ]
             groups.append(RolloutGroup(item=item, trajectories=trajectories))
-        return groups
+        return AgentRollout(groups, dict(self.stats))
 
 
 def test_fills_b_mixed_groups_with_oversampling_and_tags_version():
     agent = FakeAgent()
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=4, batch_groups=4))
+    env = RoundSampler(agent, AlgorithmConfig(group_size=4, batch_groups=4))
     groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=7, seed=0)
     assert len(groups) == 4
     assert all(0 < float(g.rewards.sum()) < 4 for g in groups)
@@ -46,21 +47,21 @@ def test_fills_b_mixed_groups_with_oversampling_and_tags_version():
 
 
 def test_no_filter_keeps_first_b_groups():
-    env = RolloutEnvironment(FakeAgent(), AlgorithmConfig(group_size=2, batch_groups=3, filter="none"))
+    env = RoundSampler(FakeAgent(), AlgorithmConfig(group_size=2, batch_groups=3, filter="none"))
     groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
     assert len(groups) == 3 and stats["rollout/engine_calls"] == 1
 
 
 def test_gives_up_with_a_clear_error():
     items = [QAItem(id="1", question="q", golden_answers=["a"])]  # never mixed
-    env = RolloutEnvironment(FakeAgent(), AlgorithmConfig(group_size=2, batch_groups=2, max_sampling_rounds=3))
+    env = RoundSampler(FakeAgent(), AlgorithmConfig(group_size=2, batch_groups=2, max_sampling_rounds=3))
     with pytest.raises(SamplingExhausted, match="max_sampling_rounds"):
         env.sample_round(PromptSampler(items, seed=0), policy_version=0, seed=0)
 
 
 def test_ranks_share_b_and_config_errors_name_keys():
     with pytest.raises(ValueError, match="batch_groups=3 must be divisible"):
-        RolloutEnvironment(FakeAgent(), AlgorithmConfig(group_size=2, batch_groups=3), rank=0, world_size=2)
+        RoundSampler(FakeAgent(), AlgorithmConfig(group_size=2, batch_groups=3), rank=0, world_size=2)
     for bad, key in [
         ({"group_size": 1}, "group_size"),
         ({"num_minibatches": 3}, "num_minibatches"),
@@ -74,7 +75,7 @@ def test_ranks_share_b_and_config_errors_name_keys():
 def test_keep_rate_is_the_filter_pass_rate_and_updates_the_estimate():
     """Issue 20 (7): keep_rate counts every group that passed the filter, also the surplus beyond B."""
     agent = FakeAgent()
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=1, initial_keep_rate=0.05))
+    env = RoundSampler(agent, AlgorithmConfig(group_size=2, batch_groups=1, initial_keep_rate=0.05))
     groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=10)
     assert agent.calls == [20] and len(groups) == 1  # ceil(1 / 0.05) prompts in one call
     passed = sum(i % 3 == 0 for i in agent.ids)
@@ -89,7 +90,7 @@ def test_keep_rate_is_the_filter_pass_rate_and_updates_the_estimate():
 
 def test_each_engine_call_gets_its_own_seed():
     agent = FakeAgent()
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=4, max_prompts_per_call=2))
+    env = RoundSampler(agent, AlgorithmConfig(group_size=2, batch_groups=4, max_prompts_per_call=2))
     env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=100)
     assert len(agent.seeds) >= 3 and agent.seeds == [100 + k for k in range(1, len(agent.seeds) + 1)]
 
@@ -97,7 +98,7 @@ def test_each_engine_call_gets_its_own_seed():
 def test_a_rank_fills_its_share_and_waits_for_the_others():
     """World size 2: this rank fills B/2 groups, then answers the collective without sampling until all are full."""
     agent = FakeAgent()
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=4), rank=1, world_size=2)
+    env = RoundSampler(agent, AlgorithmConfig(group_size=2, batch_groups=4), rank=1, world_size=2)
     decisions = []
 
     def all_done(done: bool) -> bool:  # the other rank needs two more collectives after this one is full
@@ -116,7 +117,7 @@ def test_per_rank_split_is_validated_when_built():
     with pytest.raises(ValueError, match="algorithm.num_minibatches=4.*trainer.devices.*algorithm.group_size = 6"):
         spec.check_world_size(2)
     with pytest.raises(ValueError, match="algorithm.num_minibatches"):
-        RolloutEnvironment(FakeAgent(), spec, rank=0, world_size=2)
+        RoundSampler(FakeAgent(), spec, rank=0, world_size=2)
     with pytest.raises(ValueError, match="algorithm.batch_groups=4"):
         spec.check_world_size(3)
 
@@ -130,7 +131,7 @@ class StatsAgent(FakeAgent):
             self.retriever = type("Retriever", (), {"retries": 7})()
 
     def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
-        self.last_stats = {"search_calls_mean": float(len(items)), "invalid_calls": 2.0}
+        self.stats = {"tool_calls_mean": float(len(items)), "invalid_calls": 2.0}
         if hasattr(self, "retriever"):
             self.retriever.retries += 3
         return super().rollout(items, group_size, policy_version, greedy, seed)
@@ -140,7 +141,7 @@ def test_rollout_statistics_are_exact():
     """Several engine calls (at most 3 prompts each): every logged statistic recomputed from what the agent did."""
     agent, group_size, target = StatsAgent(), 4, 3
     spec = AlgorithmConfig(group_size=group_size, batch_groups=target, max_prompts_per_call=3)
-    groups, stats = RolloutEnvironment(agent, spec).sample_round(PromptSampler(ITEMS, seed=0), 0, seed=0)
+    groups, stats = RoundSampler(agent, spec).sample_round(PromptSampler(ITEMS, seed=0), 0, seed=0)
     calls, ids = agent.calls, agent.ids
     assert len(calls) >= 2 and stats["rollout/engine_calls"] == len(calls)
     passed = [i for i in ids if i % 3 == 0]
@@ -150,27 +151,27 @@ def test_rollout_statistics_are_exact():
     assert stats["rollout/keep_rate"] == pytest.approx(len(passed) / sampled)
     assert stats["rollout/wasted_token_share"] == pytest.approx(1 - target / sampled)  # 2 tokens per trajectory
     assert stats["rollout/generated_tokens"] == 2 * trajectories  # filtered-out groups count: they cost compute
-    assert stats["rollout/search_calls_mean"] == pytest.approx(sum(n * n for n in calls) / sum(calls))
+    assert stats["rollout/tool_calls_mean"] == pytest.approx(sum(n * n for n in calls) / sum(calls))
     assert stats["rollout/invalid_calls"] == 2.0 * len(calls)
     rewards = sum(group_size / 2 if i % 3 == 0 else group_size for i in ids)
     assert stats["rollout/sampled_reward_mean"] == pytest.approx(rewards / trajectories)
     assert 0 < stats["rollout/time_s"] < 60
     assert stats["rollout/tokens_per_s"] == pytest.approx(2 * trajectories / stats["rollout/time_s"])
     assert stats["rollout/retriever_retries"] == 3 * len(calls)
-    _, plain = RolloutEnvironment(StatsAgent(with_retriever=False), spec).sample_round(PromptSampler(ITEMS), 0, 0)
+    _, plain = RoundSampler(StatsAgent(with_retriever=False), spec).sample_round(PromptSampler(ITEMS), 0, 0)
     assert plain["rollout/retriever_retries"] == 0.0
 
 
 def test_a_filter_that_keeps_everything_needs_no_over_sampling():
     agent = FakeAgent()
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=1, filter="none"))
+    env = RoundSampler(agent, AlgorithmConfig(group_size=2, batch_groups=1, filter="none"))
     _, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
     assert agent.calls == [1] and stats["rollout/keep_rate"] == 1.0
 
 
 def test_sampling_gives_up_after_exactly_max_sampling_rounds_calls():
     agent, items = FakeAgent(), [QAItem(id="1", question="q", golden_answers=["a"])]  # never mixed
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=2, max_sampling_rounds=3))
+    env = RoundSampler(agent, AlgorithmConfig(group_size=2, batch_groups=2, max_sampling_rounds=3))
     with pytest.raises(SamplingExhausted) as err:
         env.sample_round(PromptSampler(items, seed=0), policy_version=0, seed=0)
     assert len(agent.calls) == 3
@@ -182,10 +183,10 @@ def test_sampling_gives_up_after_exactly_max_sampling_rounds_calls():
 
 def test_an_agent_without_search_stats_counts_zero():
     agent = FakeAgent()
-    agent.last_stats = {}
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=2, batch_groups=1, filter="none"))
+    agent.stats = {}
+    env = RoundSampler(agent, AlgorithmConfig(group_size=2, batch_groups=1, filter="none"))
     _, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
-    assert stats["rollout/search_calls_mean"] == 0.0 and stats["rollout/invalid_calls"] == 0.0
+    assert stats["rollout/tool_calls_mean"] == 0.0 and stats["rollout/invalid_calls"] == 0.0
 
 
 def test_logs_the_retriever_waits_of_each_round():
@@ -199,10 +200,10 @@ def test_logs_the_retriever_waits_of_each_round():
             self.retriever.retries += 2
             return super().rollout(*args, **kwargs)
 
-    env = RolloutEnvironment(Agent(), AlgorithmConfig(group_size=2, batch_groups=3, filter="none"))
+    env = RoundSampler(Agent(), AlgorithmConfig(group_size=2, batch_groups=3, filter="none"))
     _, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
     assert stats["rollout/retriever_retries"] == 2.0  # this round's, not the 7 since the start
-    _, in_process = RolloutEnvironment(FakeAgent(), env.spec).sample_round(PromptSampler(ITEMS, seed=0), 0, 0)
+    _, in_process = RoundSampler(FakeAgent(), env.spec).sample_round(PromptSampler(ITEMS, seed=0), 0, 0)
     assert in_process["rollout/retriever_retries"] == 0.0  # an in-process index has no retriever.retries
 
 
@@ -211,18 +212,18 @@ class ShapedAgent(FakeAgent):
     prompts whose id is a multiple of 3 have mixed 0/1 outcomes."""
 
     def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
-        groups = super().rollout(items, group_size, policy_version, greedy, seed)
-        for group in groups:
+        result = super().rollout(items, group_size, policy_version, greedy, seed)
+        for group in result.groups:
             for j, t in enumerate(group.trajectories):
                 t.outcome, t.reward = t.reward, t.reward + 0.01 * (j + 1)  # outcome + shaping
-        return groups
+        return result
 
 
 def test_the_filter_tests_the_outcome_not_the_shaped_total():
     """Issue 27: a continuous shaping term would make every group look mixed and switch the dynamic filter off
     without a word; the filter reads the 0/1 outcomes, the advantages the totals."""
     agent = ShapedAgent()
-    env = RolloutEnvironment(agent, AlgorithmConfig(group_size=4, batch_groups=4))
+    env = RoundSampler(agent, AlgorithmConfig(group_size=4, batch_groups=4))
     groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
     assert all(int(g.item.id) % 3 == 0 for g in groups)  # only the groups with mixed outcomes were kept
     assert stats["rollout/keep_rate"] < 0.5  # a filter on the totals would have passed every group (keep-rate 1)
@@ -232,7 +233,7 @@ def test_the_filter_tests_the_outcome_not_the_shaped_total():
 
 
 def test_tool_and_reward_statistics_add_up_over_engine_calls():
-    from dspo.rollout.environment import ToolAndRewardStats
+    from dspo.rollout.sampler import ToolAndRewardStats
 
     stats = ToolAndRewardStats()
     stats.add(

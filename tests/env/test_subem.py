@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from dspo.env.rewards import extract_answer, subem_reward
 from dspo.eval.pipeline import Prediction
-from dspo.rewards import extract_answer, subem_reward
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 

@@ -9,13 +9,12 @@ import json
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from dspo.agent import parsing
 from dspo.env import SearchTool, SubEMReward
-from dspo.env.rewards import EpisodeRecord, TurnRecord
+from dspo.env.rewards import EpisodeRecord, TurnRecord, extract_answer
 from dspo.env.search_rewards import IkeaReward, StepSearchReward
 from dspo.env.search_tool import EMPTY_QUERY, QUERY_TOO_LONG, TOO_MANY_QUERIES
 from dspo.env.tools import BAD_ARGUMENTS, Tool, ToolResult
-from dspo.rewards import extract_answer
-from dspo.rollout import parsing
 from dspo.toy.sources import SourceAwareSubEM
 from dspo.types import Passage, QAItem
 

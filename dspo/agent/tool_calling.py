@@ -1,8 +1,12 @@
-"""Multi-turn tool-using agent: batched over every live trajectory of a round, turn by turn, in an `Environment`.
+"""The tool-calling agent: batched over every live trajectory of a round, turn by turn, in an `Environment`.
 
-One turn: generate (stop at a call's closing tag, `</answer>` or EOS) → parse the call (`dspo.rollout.parsing`) → one
+One turn: generate (stop at a call's closing tag, `</answer>` or EOS) → parse the call (`dspo.agent.parsing`) → one
 batched `run` per tool for all valid calls of the turn → splice each observation in as the chat template renders a
 tool turn → repeat. When every episode has ended, the environment's reward scores the whole batch of finished episodes.
+
+What varies between agents are hooks, not branches: `first_prompt` (the first prompt's tokens), `stop_strings` (where
+a turn's generation stops), `next_message` (what follows a turn that is neither a tool call nor the answer; None ends
+the episode) and `observation_text` (the tool message spliced in). docs/extending.md subclasses it in a few lines.
 
 Token bookkeeping is exact by construction: model tokens are appended as the engine returned them (mask 1, engine
 logprobs), environment tokens are pre-tokenized wrappers + the observation tokenized alone (mask 0, logprob 0.0).
@@ -20,13 +24,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
+from dspo.agent import parsing
+from dspo.agent.config import AgentConfig
+from dspo.agent.prompts import ToolTurnTemplate, build_messages, render_prompt
+from dspo.agent.protocol import AgentRollout
+from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, TurnRecord
 from dspo.env.tools import CallContext, ToolResult, ToolUnavailableError
-from dspo.rollout import parsing
-from dspo.rollout.engine import RolloutEngine, SamplingConfig
-from dspo.rollout.prompts import ToolTurnTemplate, build_messages, render_prompt
 from dspo.types import Generation, QAItem, RolloutGroup, Trajectory
 
 ANSWER_CLOSE = "</answer>"
@@ -36,38 +43,6 @@ LAST_TURN_NOTE = "\n(You have one turn left: give your final answer now.)"
 
 class ToolFailureError(RuntimeError):
     """A tool failed on more than `env.max_tool_error_share` of a batch's calls: the round is not trained on them."""
-
-
-@dataclass
-class AgentConfig:
-    """Limits of one episode. `max_total_tokens` caps prompt + response (the trainer's sequence length).
-
-    `topk`, `max_queries_per_call`, `max_query_chars` are the search tool's limits and `max_answer_words` the subEM
-    reward's guard: `conf/env/*.yaml` read them from here (so `rollout.agent.topk=...` keeps working), and an agent
-    given a bare retriever builds the default environment with them."""
-
-    max_turns: int = 4
-    max_new_tokens_per_turn: int = 256
-    max_obs_tokens: int = 256
-    max_total_tokens: int = 2048
-    topk: int = 3
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_queries_per_call: int = 3
-    max_query_chars: int = 512
-    tag_format: str = "qwen"  # "qwen" | "searchr1"
-    system_prompt: str | None = None
-    max_answer_words: int | None = None
-
-    def __post_init__(self) -> None:
-        # The trainer's logprobs and the rollout-correction weights (dspo.algorithms.rollout_correction) compare the
-        # engine's logprob with the full-vocabulary softmax at `temperature`; a nucleus renormalizes over a subset, so
-        # every sampled token would look off-policy. top_k is no option at all (vLLM ignores the model's defaults).
-        if self.top_p != 1.0:
-            raise ValueError(
-                f"rollout.agent.top_p={self.top_p}: only 1.0 is supported; top-p sampling makes the engine's logprobs "
-                "incomparable with the trainer's full-vocabulary logprobs. Use temperature to control sampling."
-            )
 
 
 @dataclass
@@ -100,30 +75,43 @@ class _Episode:
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
-class SearchAgent:
+class ToolCallingAgent:
     """Rolls out `group_size` trajectories per item in `env` (an `Environment`; a bare `Retriever` stands for the
-    default one: its search tool and the subEM reward, with `config`'s limits), all items at once."""
+    default one: its search tool with default limits and the subEM reward), all items at once.
 
-    def __init__(self, engine: RolloutEngine, tokenizer, env, config: AgentConfig) -> None:
+    Args:
+        engine: the `RolloutEngine` that generates.
+        tokenizer: the policy's tokenizer (None: the engine's).
+        env: the environment: tools + reward.
+        config: the episode's limits; or give them as keywords (`rollout.agent`'s settings: max_turns, ...).
+    """
+
+    def __init__(
+        self, engine: RolloutEngine, tokenizer: Any, env: Any, config: AgentConfig | None = None, **limits: Any
+    ) -> None:
+        if config is None:
+            config = AgentConfig.from_settings(limits)
+        elif limits:
+            raise TypeError(f"{type(self).__name__}: give the limits as config or as keywords, not both ({limits})")
         if config.tag_format not in TAG_FORMATS:
-            raise ValueError(f"AgentConfig.tag_format={config.tag_format!r}: expected one of {sorted(TAG_FORMATS)}")
+            raise ValueError(f"rollout.agent.tag_format={config.tag_format!r}: expected one of {sorted(TAG_FORMATS)}")
         if config.max_turns < 1:
-            raise ValueError(f"AgentConfig.max_turns={config.max_turns}: must be >= 1")
+            raise ValueError(f"rollout.agent.max_turns={config.max_turns}: must be >= 1")
         if not isinstance(env, Environment):
-            limits = ("topk", "max_queries_per_call", "max_query_chars", "max_answer_words")
-            env = Environment.search(env, **{key: getattr(config, key) for key in limits})
+            env = Environment.search(env)
+        tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.engine, self.tokenizer, self.env, self.config = engine, tokenizer, env, config
         self.tools = env.tools
         self.tool_turn = ToolTurnTemplate.from_tokenizer(tokenizer, config.tag_format)
         self.call_closes = parsing.call_closes(self.tools, config.tag_format)
-        self.last_stats: dict[str, float] = {}
 
     @property
     def retriever(self):
         """The default search tool's retriever (rollout statistics count its retries), None without one."""
         return getattr(self.tools.get("search"), "retriever", None)
 
-    def prompt_ids(self, item: QAItem) -> list[int]:
+    # ------------------------------------------------------------------------------------------ hooks
+    def first_prompt(self, item: QAItem) -> list[int]:
         """Token ids of the first prompt for `item` (chat template + tool schemas + generation prompt)."""
         cfg = self.config
         messages = build_messages(item.question, cfg.tag_format, cfg.system_prompt, self.env.instruction)
@@ -132,6 +120,19 @@ class SearchAgent:
             render_prompt(self.tokenizer, messages, cfg.tag_format, schemas), add_special_tokens=False
         )
 
+    def stop_strings(self, turn: int) -> list[str]:
+        """Where generation stops in `turn`: a call's closing tag or the answer's."""
+        return [*self.call_closes, ANSWER_CLOSE]
+
+    def next_message(self, text: str, turn: int) -> str | None:
+        """What follows a turn (`text`) that stopped on neither a tool call nor a length cap: None ends the episode
+        (the answer, or EOS); a message continues it, spliced in as a tool turn (mask 0)."""
+        return None
+
+    def observation_text(self, observation: str, turn: int) -> str:
+        """The tool message spliced in after `turn` (a note when one turn is left)."""
+        return observation + (LAST_TURN_NOTE if turn == self.config.max_turns - 2 else "")
+
     def rollout(
         self,
         items: list[QAItem],
@@ -139,16 +140,17 @@ class SearchAgent:
         policy_version: int,
         greedy: bool = False,
         seed: int | None = None,
-    ) -> list[RolloutGroup]:
-        """`group_size` trajectories per item; groups in `items` order, `prompt_index` = position in `items`."""
+    ) -> AgentRollout:
+        """`group_size` trajectories per item; groups in `items` order, `prompt_index` = position in `items`; the
+        call's statistics."""
         start = time.perf_counter()
-        timers = {"generation_s": 0.0, "search_s": 0.0, "generated_tokens": 0}
+        timers = {"generation_s": 0.0, "tool_s": 0.0, "generated_tokens": 0}
         reset = getattr(self.engine, "reset_episodes", None)
         if reset is not None:
             reset()
         episodes = []
         for item in items:
-            prompt = self.prompt_ids(item)
+            prompt = self.first_prompt(item)
             episodes.extend(_Episode(item=item, prompt_ids=list(prompt)) for _ in range(group_size))
         for turn in range(self.config.max_turns):
             live = [ep for ep in episodes if not ep.done]
@@ -161,11 +163,12 @@ class SearchAgent:
                     self._append_observation(ep, turn)
         self._check_tool_errors(episodes)
         trajectories = self._finish(episodes, policy_version)
-        self.last_stats = self._stats(trajectories, episodes, timers, time.perf_counter() - start)
-        return [
+        stats = self._stats(trajectories, episodes, timers, time.perf_counter() - start)
+        groups = [
             RolloutGroup(item=item, trajectories=trajectories[i * group_size : (i + 1) * group_size], prompt_index=i)
             for i, item in enumerate(items)
         ]
+        return AgentRollout(groups, stats)
 
     def _generate_turn(self, live: list[_Episode], turn: int, greedy: bool, seed: int | None, timers: dict) -> None:
         cfg = self.config
@@ -173,7 +176,7 @@ class SearchAgent:
             temperature=0.0 if greedy else cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens_per_turn,
-            stop=[*self.call_closes, ANSWER_CLOSE],
+            stop=self.stop_strings(turn),
             seed=None if seed is None else seed + 1_000_003 * turn,
         )
         tic = time.perf_counter()
@@ -204,8 +207,9 @@ class SearchAgent:
             ep.done = ep.truncated = True
         elif close is not None:
             self._handle_call(ep, text, turn, close)
-        else:  # </answer> or EOS: the episode is over
-            ep.done = True
+        else:  # </answer> or EOS: the episode is over, unless the agent has more to say
+            ep.observation = self.next_message(text, turn)
+            ep.done = ep.observation is None
 
     def _record_turn(self, ep: _Episode, ids: list[int], logprobs: list[float], text: str, start: int) -> None:
         ep.append(ids, 1, logprobs)
@@ -249,7 +253,7 @@ class SearchAgent:
             contexts = [CallContext(ep.item, turn, positions[id(ep)]) for ep in pending]
             tic = time.perf_counter()
             results = self._run_batch(tool, [ep.pending.arguments for ep in pending], contexts, turn)
-            timers["search_s"] += time.perf_counter() - tic
+            timers["tool_s"] += time.perf_counter() - tic
             for ep, result in zip(pending, results):
                 ep.observation, ep.turns[-1].result = result.text, result
                 if result.error is not None:
@@ -285,7 +289,7 @@ class SearchAgent:
     def _append_observation(self, ep: _Episode, turn: int) -> None:
         """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap."""
         cfg = self.config
-        text = ep.observation + (LAST_TURN_NOTE if turn == cfg.max_turns - 2 else "")
+        text = self.observation_text(ep.observation, turn)
         obs_ids = self.tokenizer.encode(text, add_special_tokens=False)[: cfg.max_obs_tokens]
         wrapped = self.tool_turn.prefix_ids + obs_ids + self.tool_turn.suffix_ids
         if ep.length + len(wrapped) >= cfg.max_total_tokens:  # no room left for the model to answer
@@ -332,7 +336,7 @@ class SearchAgent:
             golden_answers=list(ep.item.golden_answers),
             response_text=self.tokenizer.decode(ep.response_ids, skip_special_tokens=False),
             num_turns=len(ep.turns),
-            num_search_calls=sum(ep.tool_calls.values()),
+            num_tool_calls=sum(ep.tool_calls.values()),
             num_invalid_calls=sum(ep.invalid.values()),
             tool_calls=dict(ep.tool_calls),
             truncated=ep.truncated,
@@ -344,11 +348,11 @@ class SearchAgent:
         invalid = sum((ep.invalid for ep in episodes), Counter())
         stats = {
             "generation_s": timers["generation_s"],
-            "search_s": timers["search_s"],  # time inside tools (the search tool's retriever, by default)
-            "other_s": max(total - timers["generation_s"] - timers["search_s"], 0.0),
+            "tool_s": timers["tool_s"],  # time inside tools (the search tool's retriever, by default)
+            "other_s": max(total - timers["generation_s"] - timers["tool_s"], 0.0),
             "generated_tokens": float(timers["generated_tokens"]),
             "tokens_per_s": timers["generated_tokens"] / max(timers["generation_s"], 1e-9),
-            "search_calls_mean": sum(t.num_search_calls for t in trajectories) / n,
+            "tool_calls_mean": sum(t.num_tool_calls for t in trajectories) / n,
             "invalid_calls": float(sum(invalid.values())),
             "turns_mean": sum(t.num_turns for t in trajectories) / n,
             "response_len_mean": sum(len(t.response_ids) for t in trajectories) / n,
