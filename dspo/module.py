@@ -36,7 +36,7 @@ from dspo.metric_collections import answer_metrics
 from dspo.models import ModelConfig, load_causal_lm
 from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs
-from dspo.models.lora import adapters_disabled, add_adapters, is_adapter_key
+from dspo.models.lora import adapters_disabled, add_adapters, check_same_lora, is_adapter_key, lora_config
 from dspo.step_stats import MiniBatchStats
 from dspo.types import PolicyBatch
 
@@ -112,7 +112,9 @@ class DSPOModule(pl.LightningModule):
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, optimizer: OptimizerConfig) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.strict_loading = False  # the frozen reference model is not stored in checkpoints
+        self.strict_loading = (
+            False  # the frozen reference model (and, with LoRA, the frozen base) is not in checkpoints
+        )
         self.model_cfg, self.algo, self.optim_cfg = model, algorithm, optimizer
         self.save_hyperparameters(  # in checkpoints; loggers get the whole resolved config (dspo.loggers) instead
             {"model": asdict(model), "algorithm": asdict(algorithm), "optimizer": asdict(optimizer)}, logger=False
@@ -174,6 +176,9 @@ class DSPOModule(pl.LightningModule):
         return self.model_cfg.lora is not None and key.startswith("policy.") and not is_adapter_key(key)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = (checkpoint.get("hyper_parameters") or {}).get("model")
+        if isinstance(saved, dict):  # the state dict loads non-strictly: a LoRA mismatch would pass in silence
+            check_same_lora(lora_config(saved.get("lora")), self.model_cfg.lora)
         self.weights_version = int(checkpoint.get("dspo", {}).get("weights_version", checkpoint.get("global_step", 0)))
 
     # ----------------------------------------------------------------------------------------------- train

@@ -191,3 +191,28 @@ def test_the_export_is_a_plain_merged_model_with_the_adapter_beside_it(lm_dir, t
     assert from_ckpt.keys() == from_train.keys()
     for name, tensor in from_train.items():
         torch.testing.assert_close(from_ckpt[name], tensor, rtol=0, atol=0)
+
+
+def test_a_checkpoint_resumes_only_into_the_same_kind_of_training(lm_dir):
+    """The state dict loads non-strictly (the frozen parts are not stored): a LoRA checkpoint resumed as full
+    fine-tuning (or the reverse, or another rank) must fail with the key, not train on from the base in silence."""
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.module import OptimizerConfig
+
+    def module(lora):
+        return DSPOModule(ModelConfig(path=lm_dir, lora=lora), AlgorithmConfig(group_size=2, batch_groups=1),
+                          OptimizerConfig())  # fmt: skip
+
+    lora_ckpt = {"hyper_parameters": {"model": {"path": lm_dir, "lora": LORA}}, "global_step": 3}
+    full_ckpt = {"hyper_parameters": {"model": {"path": lm_dir, "lora": None}}, "global_step": 3}
+    same = module(LORA)
+    same.on_load_checkpoint(lora_ckpt)
+    assert same.weights_version == 3
+    module({**LORA, "dropout": 0.1}).on_load_checkpoint(lora_ckpt)  # the dropout may change
+    module(None).on_load_checkpoint(full_ckpt)
+    with pytest.raises(ValueError, match=r"trained with model.lora=.*this run is set to full fine-tuning"):
+        module(None).on_load_checkpoint(lora_ckpt)
+    with pytest.raises(ValueError, match=r"trained with full fine-tuning \(model.lora=null\), this run is set to"):
+        module(LORA).on_load_checkpoint(full_ckpt)
+    with pytest.raises(ValueError, match="resume with the checkpoint's model.lora"):
+        module({"r": 8}).on_load_checkpoint(lora_ckpt)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's name of the one adapter dspo trains
 # Qwen2's attention and MLP projections (Llama, Mistral and Qwen3 name theirs the same)
@@ -79,6 +82,25 @@ def lora_config(value: Any) -> LoraConfig | None:
     return LoraConfig(**{k: v for k, v in value.items() if k in known})
 
 
+def check_same_lora(saved: LoraConfig | None, current: LoraConfig | None) -> None:
+    """A checkpoint resumes only into the same kind of training: its adapters (or its full weights) would otherwise be
+    left out of a non-strict load, and training would go on from the base model without a word."""
+
+    def shape(cfg: LoraConfig | None) -> tuple | None:  # the dropout may change; the adapters' shape and scale not
+        return None if cfg is None else (cfg.r, cfg.alpha, sorted(cfg.target_modules))
+
+    if shape(saved) == shape(current):
+        return
+
+    def name(cfg: LoraConfig | None) -> str:
+        return "full fine-tuning (model.lora=null)" if cfg is None else f"model.lora={cfg}"
+
+    raise ValueError(
+        f"ckpt_path: the checkpoint was trained with {name(saved)}, this run is set to {name(current)}; resume with "
+        "the checkpoint's model.lora (or start a new run)"
+    )
+
+
 def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Inject LoRA adapters into `model` in place and freeze everything else; returns `model`."""
     import peft
@@ -93,6 +115,11 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             f"model.lora.target_modules={cfg.target_modules}: {error}. Name the model's linear layers (for Qwen2: "
             f"{list(QWEN2_TARGETS)})"
         ) from error
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info(
+        "LoRA (model.lora): %s trained parameters of %s (%.2f %%)", f"{trained:,}", f"{total:,}", 100 * trained / total
+    )
     return model
 
 
