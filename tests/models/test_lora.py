@@ -150,3 +150,16 @@ def test_the_adapter_folder_is_what_peft_loads(lm_dir, tmp_path):
     torch.testing.assert_close(_logits(loaded), _logits(model), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="no LoRA adapter"):
         save_adapter(tmp_path / "none", cfg, load_causal_lm(ModelConfig(path=lm_dir)).state_dict().items(), lm_dir)
+
+
+def test_over_a_bf16_base_the_adapters_train_in_fp32_and_the_merge_is_bf16(lm_dir):
+    """docs/scaling.md's LoRA plan: the frozen base in bf16 (no update to round away), adapters in fp32."""
+    model = add_adapters(load_causal_lm(ModelConfig(path=lm_dir, dtype="bfloat16")), LoraConfig(r=4))
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    merged = dict(policy_weights(Holder(model)))
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    logits = model(input_ids=IDS).logits
+    logits.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
