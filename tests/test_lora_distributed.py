@@ -1,6 +1,7 @@
 """`model.lora` under DDP and FSDP2 with two gloo processes (issue 44): both ranks push the same merged weights, train
 only the adapters, end identical, and a run resumed from the adapters-only checkpoint (a file under DDP, a folder of
-shards under FSDP2) ends where the uninterrupted run does. β > 0: the reference is the base, on every rank."""
+shards under FSDP2) ends where the uninterrupted run does. β > 0: the reference is the base, on every rank. The FSDP2
+case runs with gradient checkpointing (`model.gradient_checkpointing`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def _worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None
     for phase, max_steps, ckpt in (("whole", 4, None), ("first", 2, None), ("resumed", 4, str(Path(root) / "ck"))):
         run = toy_run(lm_dir, str(out / phase), max_steps, module_cls=Logged, lora=LORA, kl_coef=0.1)
         run.callback.producer.side.environment = RolloutEnvironment(run.agent, run.callback.algo, rank, WORLD)
+        run.module.model_cfg.gradient_checkpointing = strategy == "fsdp2"  # LoRA + activation checkpointing + FSDP2
         trainer = pl.Trainer(
             accelerator="cpu", devices=WORLD, max_steps=max_steps, callbacks=[run.callback], logger=False,
             strategy=FSDP2Strategy() if strategy == "fsdp2" else DDPStrategy(process_group_backend="gloo"),
@@ -67,6 +69,7 @@ def _worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None
             "pushes": run.engine.pushes,
             "final": dict(policy_weights(module_root(trainer, module))),  # merged, gathered (every rank calls it)
             "trainable": trainable,
+            "checkpointing": module.policy.is_gradient_checkpointing,
             "reference": module.reference,
             "adam_steps": {int(s["step"]) for s in trainer.optimizers[0].state.values()},
             "adam_params": len(trainer.optimizers[0].state),
@@ -88,6 +91,7 @@ def test_lora_under_ddp_and_fsdp2_pushes_merged_weights_and_resumes_exactly(tmp_
     for phase, steps in (("whole", 4), ("first", 2), ("resumed", 4)):
         assert [r[phase]["step"] for r in ranks] == [steps, steps]
         assert [r[phase]["reference"] for r in ranks] == [None, None]  # β > 0, no second model
+        assert [r[phase]["checkpointing"] for r in ranks] == [strategy == "fsdp2"] * WORLD
         trainable = ranks[0][phase]["trainable"]
         assert trainable and all(".lora_" in n for n in trainable)
         assert ranks[0][phase]["adam_params"] == len(trainable)  # AdamW state for the adapters only
