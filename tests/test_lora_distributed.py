@@ -60,6 +60,7 @@ def _worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
             num_sanity_val_steps=0, default_root_dir=str(out / phase),
         )  # fmt: skip
+        torch.manual_seed(0)  # the adapters' random A: the same in every run and on every rank, as dspo-train seeds
         trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt)
         module = run.module
         trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}

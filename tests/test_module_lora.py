@@ -52,6 +52,7 @@ class Probe(DSPOModule):
 
 def _fit(lm_dir, root, max_steps, ckpt_path=None, callbacks=(), **kwargs):
     run = toy_run(lm_dir, str(root), max_steps, module_cls=Probe, callbacks=callbacks, **kwargs)
+    torch.manual_seed(0)  # peft draws A at random when the model is built, in fit (dspo-train seeds everything first)
     run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
     return run
 
@@ -92,7 +93,7 @@ def test_the_kl_reference_is_the_base_model_without_a_second_copy(lm_dir, tmp_pa
             ref = _logprobs(reference, ids, mask)
         k3 = (KL_ESTIMATORS["k3"](ref - logprobs) * mask).sum() / num_tokens
         total = total - advantage * logprobs.sum() / mask.sum() / len(seqs) + beta * k3
-        kl += float(k3)
+        kl += float(k3.detach())
     total.backward()
     expected = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
     got = run.module.grads[1]
@@ -107,17 +108,16 @@ def test_the_engine_gets_merged_weights_under_the_base_names(lm_dir, tmp_path):
     run = _fit(lm_dir, tmp_path, 2, lora=LORA)
     base = load_causal_lm(ModelConfig(path=lm_dir)).state_dict()
     pushes = run.engine.pushes
-    assert [version for version, _ in pushes] == [0, 1]
-    first = pushes[0][1]
-    assert first.keys() == base.keys() and all(torch.equal(first[k], base[k]) for k in base)
+    assert [version for version, _ in pushes] == [1]  # the engine starts with the base (version 0): nothing to push
+    assert pushes[0][1].keys() == base.keys()
     # after a step: the adapted policy's function, as one plain model (what vLLM loads in place)
     plain = load_causal_lm(ModelConfig(path=lm_dir))
-    plain.load_state_dict(pushes[1][1])
+    plain.load_state_dict(pushes[0][1])
     policy = _adapted(lm_dir, run.module.weights_before[1])
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
-    moved = [k for k in base if not torch.equal(pushes[1][1][k], base[k])]
+    moved = [k for k in base if not torch.equal(pushes[0][1][k], base[k])]
     assert moved and all("proj" in k for k in moved)  # only adapted projections change; embeddings, norms do not
 
 
@@ -153,6 +153,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(lm_dir, tmp_pat
     for checkpointing in (False, True):
         run = toy_run(lm_dir, str(tmp_path / str(checkpointing)), 1, module_cls=Probe, lora=LORA, kl_coef=0.1)
         run.module.model_cfg.gradient_checkpointing = checkpointing
+        torch.manual_seed(0)  # the same adapters' A in both runs
         run.trainer.fit(run.module, datamodule=run.datamodule)
         runs.append(run.module)
     assert runs[1].policy.is_gradient_checkpointing and not runs[0].policy.is_gradient_checkpointing

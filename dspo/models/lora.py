@@ -115,6 +115,9 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             f"model.lora.target_modules={cfg.target_modules}: {error}. Name the model's linear layers (for Qwen2: "
             f"{list(QWEN2_TARGETS)})"
         ) from error
+    for name, param in model.named_parameters():  # over a bf16 base: fp32 adapters, or AdamW's steps round away
+        if is_adapter_key(name) and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info(
