@@ -209,7 +209,7 @@ def computed_plan(rank: int, tokens: int = 16384, head_rows: int = 1024) -> dict
     """GB of each part on one GPU, no sharding, for Qwen2.5-0.5B/3B/7B. Full fine-tuning: fp32 master weights, their
     gradients and AdamW's two moments (16 B a parameter, docs/scaling.md's plan on one GPU), + an fp32 reference model
     when β > 0. LoRA: the frozen base in bf16 (`model.dtype=bfloat16`: a frozen weight has no update to round away),
-    the adapters with their gradients and moments in fp32 (peft keeps adapters fp32), no reference. Activations
+    the adapters with their gradients and moments in fp32 (`add_adapters` makes them fp32), no reference. Activations
     (gradient checkpointing; LoRA's backward goes through the same layers) as docs/scaling.md: each layer's input
     (bf16), one recomputed MLP, the LM head's chunk; the vLLM engine's bf16 copy of the weights beside them."""
     from dspo.models.lora import QWEN2_TARGETS
