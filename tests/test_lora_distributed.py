@@ -88,7 +88,9 @@ def test_lora_under_ddp_and_fsdp2_pushes_merged_weights_and_resumes_exactly(tmp_
     lm_dir = build_toy_lm(str(tmp_path / "lm"))
     mp.spawn(partial(_worker, strategy), args=(_free_port(), lm_dir, str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    base = torch.load(tmp_path / "rank0.pt", weights_only=False)["whole"]["pushes"][0][1]
+    from dspo.models import ModelConfig, load_causal_lm
+
+    base = load_causal_lm(ModelConfig(path=lm_dir)).state_dict()
     for phase, steps in (("whole", 4), ("first", 2), ("resumed", 4)):
         assert [r[phase]["step"] for r in ranks] == [steps, steps]
         assert [r[phase]["reference"] for r in ranks] == [None, None]  # β > 0, no second model
@@ -102,7 +104,8 @@ def test_lora_under_ddp_and_fsdp2_pushes_merged_weights_and_resumes_exactly(tmp_
         for name, tensor in ranks[0][phase]["final"].items():
             assert torch.equal(tensor, ranks[1][phase]["final"][name]), name
     whole, resumed = ranks[0]["whole"], ranks[0]["resumed"]
-    assert [v for v, _ in whole["pushes"]] == [0, 1, 2, 3] and [v for v, _ in resumed["pushes"]] == [2, 3]
+    # the engines start with the base (version 0): pushed after each applied step, the resumed run's from step 2
+    assert [v for v, _ in whole["pushes"]] == [1, 2, 3] and [v for v, _ in resumed["pushes"]] == [2, 3]
     assert resumed["adam_steps"] == {4}
     # the resumed run's first push is the first run's end; its steps 3-4 log what the uninterrupted run logged
     first_end = ranks[0]["first"]["final"]
