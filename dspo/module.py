@@ -36,6 +36,7 @@ from dspo.metric_collections import answer_metrics
 from dspo.models import ModelConfig, load_causal_lm
 from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs
+from dspo.models.lora import adapters_disabled, add_adapters, check_same_lora, is_adapter_key, lora_config
 from dspo.step_stats import MiniBatchStats
 from dspo.types import PolicyBatch
 
@@ -111,7 +112,9 @@ class DSPOModule(pl.LightningModule):
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, optimizer: OptimizerConfig) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.strict_loading = False  # the frozen reference model is not stored in checkpoints
+        self.strict_loading = (
+            False  # the frozen reference model (and, with LoRA, the frozen base) is not in checkpoints
+        )
         self.model_cfg, self.algo, self.optim_cfg = model, algorithm, optimizer
         self.save_hyperparameters(  # in checkpoints; loggers get the whole resolved config (dspo.loggers) instead
             {"model": asdict(model), "algorithm": asdict(algorithm), "optimizer": asdict(optimizer)}, logger=False
@@ -135,7 +138,9 @@ class DSPOModule(pl.LightningModule):
         train_mode_without_dropout(self.policy)
         if self.model_cfg.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.algo.kl_coef > 0:
+        if self.model_cfg.lora is not None:  # after the dropout reset: the adapters' own dropout is model.lora's
+            add_adapters(self.policy, self.model_cfg.lora)
+        elif self.algo.kl_coef > 0:  # with LoRA the reference is the policy with its adapters off (_reference_logprobs)
             self.reference = load_causal_lm(self.model_cfg).eval().requires_grad_(False)
         if self.device_mesh is not None:  # FSDP2 (dspo.strategies.FSDP2Strategy)
             self._shard(self.device_mesh["data_parallel"])
@@ -160,13 +165,20 @@ class DSPOModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("state_dict", {})
-        for key in [k for k in state if k.startswith("reference.")]:
+        for key in [k for k in state if k.startswith("reference.") or self._frozen_base_key(k)]:
             del state[key]
         checkpoint["dspo"] = {"model_dir": self.model_cfg.path, "weights_version": self.weights_version}
         if self.run_record is not None:  # what dspo-eval / dspo-rollout adopt from this checkpoint (dspo.record)
             checkpoint["dspo"]["run"] = self.run_record
 
+    def _frozen_base_key(self, key: str) -> bool:
+        """With LoRA, the policy's frozen base weights: reloaded from model.path, never stored in checkpoints."""
+        return self.model_cfg.lora is not None and key.startswith("policy.") and not is_adapter_key(key)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = (checkpoint.get("hyper_parameters") or {}).get("model")
+        if isinstance(saved, dict):  # the state dict loads non-strictly: a LoRA mismatch would pass in silence
+            check_same_lora(lora_config(saved.get("lora")), self.model_cfg.lora)
         self.weights_version = int(checkpoint.get("dspo", {}).get("weights_version", checkpoint.get("global_step", 0)))
 
     # ----------------------------------------------------------------------------------------------- train
@@ -182,6 +194,18 @@ class DSPOModule(pl.LightningModule):
             with_entropy=with_entropy,
         )
 
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss has a KL term: a reference model, or (LoRA) the policy with its adapters off."""
+        return self.algo.kl_coef > 0
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
+        if self.reference is not None:
+            return self._logprobs(self.reference, batch)[0]
+        with adapters_disabled(self.policy):  # LoRA: the frozen base is the reference
+            return self._logprobs(self.policy, batch)[0]
+
     @torch.no_grad()
     def _prepare_round(self, batches: list[PolicyBatch]) -> None:
         """Old (when M > 1) and reference (when β > 0) logprobs, before the round's first update."""
@@ -189,8 +213,8 @@ class DSPOModule(pl.LightningModule):
             moved = batch.to(self.device)
             if self.algo.num_minibatches > 1 and batch.old_logprobs is None:
                 batch.old_logprobs = self._logprobs(self.policy, moved)[0].cpu()
-            if self.reference is not None and batch.ref_logprobs is None:
-                batch.ref_logprobs = self._logprobs(self.reference, moved)[0].cpu()
+            if self.has_reference and batch.ref_logprobs is None:
+                batch.ref_logprobs = self._reference_logprobs(moved).cpu()
 
     def training_step(self, slot: RoundSlot, batch_idx: int) -> torch.Tensor | None:
         """Algorithm 1, steps 3-4, for one mini-batch of a round (one optimizer step): the round's old and reference
@@ -243,11 +267,8 @@ class DSPOModule(pl.LightningModule):
             weights=correction,
         )
         kl = torch.zeros((), device=self.device)
-        if self.reference is not None:
-            ref = batch.ref_logprobs
-            if ref is None:
-                with torch.no_grad():
-                    ref = self._logprobs(self.reference, batch)[0]
+        if self.has_reference:
+            ref = batch.ref_logprobs if batch.ref_logprobs is not None else self._reference_logprobs(batch)
             kl = kl_penalty(logprobs, ref, batch.loss_mask, self.algo.kl_estimator, counts.kl)
             loss = loss + self.algo.kl_coef * kl
         parts = {"kl": kl, "entropy": entropy, "objective": objective, "mismatch": mismatch, "correction": correction}

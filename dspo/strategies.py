@@ -79,8 +79,35 @@ class FSDP2Strategy(ModelParallelStrategy):
             for name, child in module.named_children()
             if any(key.startswith(f"state_dict.{name}.") for key in saved)
         }
-        state = {"state_dict": nn.ModuleDict(children), **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+        view = nn.ModuleDict(children)
+        if any(f"state_dict.{key}" not in saved for key in view.state_dict()):  # LoRA: the frozen base is left out
+            return _load_saved_keys(path, view, self.optimizers, saved, weights_only)
+        state = {"state_dict": view, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
         return _load_checkpoint(path, state, strict=False, optimizer_states_from_list=True, weights_only=weights_only)
+
+
+def _load_saved_keys(path: Path, view: nn.Module, optimizers: list, saved: Any, weights_only: bool | None) -> dict:
+    """Lightning's sharded load (`_load_checkpoint`) reading only the tensors of `view` that the checkpoint holds: a
+    LoRA policy's checkpoint has its adapters, not the frozen base (reloaded from model.path). Returns the metadata."""
+    import torch
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model_state = {k: v for k, v in get_model_state_dict(view).items() if f"state_dict.{k}" in saved}
+    load({"state_dict": model_state}, checkpoint_id=path)
+    view.load_state_dict(model_state, strict=False)
+    for index, optimizer in enumerate(optimizers):
+        key = f"optimizer_{index}"
+        optimizer_state = {key: get_optimizer_state_dict(view, optimizer)}
+        load(optimizer_state, checkpoint_id=path)
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(view, optimizer, optim_state_dict=optimizer_state[key], options=options)
+    return torch.load(path / "meta.pt", weights_only=weights_only)
 
 
 def _remove(path: Path) -> None:

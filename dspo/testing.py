@@ -276,6 +276,7 @@ def toy_run(
     warmup_steps: int = 0,
     callbacks: tuple = (),
     max_staleness: int = 0,
+    lora: Any = None,
     **algorithm: Any,
 ) -> SimpleNamespace:
     """Module, callback (with the stand-ins attached), datamodule and a CPU trainer for `max_steps` optimizer steps.
@@ -283,6 +284,7 @@ def toy_run(
     `algorithm` overrides `AlgorithmConfig` fields (defaults: G=4, B=2, M=1, micro-batches of 3 sequences, wide clip,
     no rollout correction); `callbacks` go to the trainer after the environment callback. With `max_staleness` >= 1
     the scripted agent and a recording engine run in the engine process (`run.agent`, `run.engine` are then None).
+    `lora` is `model.lora` (e.g. `{"r": 4}`).
     """
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -298,7 +300,7 @@ def toy_run(
     if "rollout_correction" in AlgorithmConfig.__dataclass_fields__:  # scripted engine logprobs are not the model's
         defaults["rollout_correction"] = {"mode": "none"}
     algo = AlgorithmConfig(**{**defaults, **algorithm})
-    model = ModelConfig(path=model_dir)
+    model = ModelConfig(path=model_dir, lora=lora)
     module = (module_cls or DSPOModule)(
         model, algo, OptimizerConfig(lr=lr, weight_decay=0.0, warmup_steps=warmup_steps)
     )

@@ -35,7 +35,7 @@ PY="$VENV/bin/python"
 stamp_file="$VENV/.dspo-setup-stamp"
 stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$DSPO_DEVICE
 check_imports() {
-  "$PY" -c "import dspo, vllm, transformers, lightning, torchmetrics, hydra, bm25s, rank_bm25, datasets, torch; \
+  "$PY" -c "import dspo, vllm, transformers, lightning, torchmetrics, hydra, bm25s, rank_bm25, datasets, peft, torch; \
 print('[setup] imports ok: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__, \
 '| lightning', lightning.__version__)"
 }

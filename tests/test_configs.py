@@ -137,3 +137,23 @@ def test_the_default_rollout_correction_follows_the_staleness(overrides, mode):
 
     cfg = compose_config("train", ["output_dir=/tmp/run", *overrides])
     assert cfg.algorithm.rollout_correction.mode == mode
+
+
+def test_lora_is_off_by_default_and_one_override_turns_it_on(tmp_path):
+    """`dspo-train model.lora.r=8` (README): Hydra cannot set a key under a null node, so conf/model/ writes the LoRA
+    settings with `r: null` (off); `model.lora=null` is off too."""
+    from dspo.models.lora import QWEN2_TARGETS, LoraConfig
+
+    assert instantiate(_compose("train", [f"output_dir={tmp_path}"]).model).lora is None
+    assert instantiate(_compose("train", ["model.lora=null", f"output_dir={tmp_path}"]).model).lora is None
+    cfg = _compose("train", ["model.lora.r=8", f"output_dir={tmp_path}"])
+    assert instantiate(cfg.model).lora == LoraConfig(r=8, alpha=32, dropout=0.0, target_modules=list(QWEN2_TARGETS))
+    module = instantiate(cfg.module)
+    assert module.model_cfg.lora.r == 8 and module.hparams["model"]["lora"]["r"] == 8
+    for option in ("qwen2.5-3b-instruct", "qwen2.5-7b-instruct", "local"):
+        composed = _compose("train", [f"model={option}", "model.path=/m", "model.lora.r=16", f"output_dir={tmp_path}"])
+        assert instantiate(composed.model).lora.scaling == 2.0
+    paper = ["experiment=paper_qwen2.5_7b", "model.path=/m", "model.lora.r=16", "optimizer.lr=1e-5"]  # training.md
+    assert instantiate(_compose("train", [*paper, f"output_dir={tmp_path}"]).model).lora.r == 16
+    with pytest.raises(Exception, match="model.lora.r must be an integer >= 1"):  # Hydra wraps the ValueError
+        instantiate(_compose("train", ["model.lora.r=0", f"output_dir={tmp_path}"]).model)

@@ -30,6 +30,7 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.algorithms.rollout_correction import staleness_notice
 from dspo.data.datamodule import EvalSlot, RoundSlot
 from dspo.models import ModelConfig
+from dspo.models.lora import adapter_dir, lora_scalings, merge_adapters, save_adapter
 from dspo.models.weights import policy_weights
 from dspo.record import write_record
 from dspo.rollout.link import TrainerLink
@@ -212,7 +213,9 @@ class RolloutCallback(pl.Callback):
             log.info("preempted: the policy is not exported (resume with ckpt_path=last)")
             return
         target = Path(self.export_dir or Path(trainer.default_root_dir) / "model")
-        state = dict(policy_weights(module_root(trainer, pl_module)))
+        root = module_root(trainer, pl_module)
+        weights = policy_weights(root, merged=False)  # LoRA: the adapters, also written beside the merged model
+        state = dict(merge_adapters(weights, lora_scalings(root, "policy.")))
         if trainer.is_global_zero:
             pl_module.policy.save_pretrained(str(target), state_dict=state)
             self.producer.tokenizer.save_pretrained(str(target))
@@ -220,6 +223,10 @@ class RolloutCallback(pl.Callback):
             if record is not None:  # the settings it was trained with, which dspo-eval and dspo-rollout adopt
                 write_record(target, record, step=trainer.global_step)
             log.info("exported the trained policy to %s", target)
+            lora = getattr(pl_module.model_cfg, "lora", None)
+            if lora is not None:
+                adapter = save_adapter(adapter_dir(target), lora, weights, base_model=str(pl_module.model_cfg.path))
+                log.info("exported its LoRA adapter to %s", adapter)
         self.exported_to = str(target)
 
     # ------------------------------------------------------------------------------------------ eval

@@ -106,6 +106,22 @@ def policy_state_dict(checkpoint: Mapping[str, Any], prefix: str = "policy.") ->
     return weights
 
 
+def _lora_adapters(checkpoint: Mapping[str, Any], weights: Mapping[str, torch.Tensor], ckpt_path: str):
+    """({name: adapter tensor}, LoraConfig) of a LoRA checkpoint (`model.lora`), else ({}, None)."""
+    from dspo.models.lora import is_adapter_key, lora_config
+
+    adapters = {name: tensor for name, tensor in weights.items() if is_adapter_key(name)}
+    if not adapters:
+        return {}, None
+    lora = lora_config(((checkpoint.get("hyper_parameters") or {}).get("model") or {}).get("lora"))
+    if lora is None:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} holds LoRA adapters but no hyper_parameters.model.lora (their rank and alpha): "
+            "not a checkpoint written by dspo-train"
+        )
+    return adapters, lora
+
+
 def export_checkpoint(
     ckpt_path: str, output_dir: str, model_path: str | None = None, allow_foreign: bool = False
 ) -> tuple[str, int]:
@@ -118,11 +134,17 @@ def export_checkpoint(
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dspo.models.lora import adapter_dir, merge_into_base, save_adapter
     from dspo.record import RECORD_FILE, checkpoint_record, write_record
 
     checkpoint = read_checkpoint(ckpt_path, allow_foreign)
     base = checkpoint_model_dir(checkpoint, model_path)
     weights = policy_state_dict(checkpoint)
+    adapters, lora = _lora_adapters(checkpoint, weights, ckpt_path)
+    if adapters:  # a LoRA checkpoint holds the adapters only: merged into the base model it was trained from
+        dtype = ((checkpoint.get("hyper_parameters") or {}).get("model") or {}).get("dtype", "float32")
+        base_model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
+        weights = merge_into_base(base_model.state_dict(), adapters, lora.scaling)
     config = AutoConfig.from_pretrained(base)
     with torch.device("meta"):
         expected = set(AutoModelForCausalLM.from_config(config).state_dict())
@@ -148,6 +170,11 @@ def export_checkpoint(
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if adapters:
+        log.info(
+            "wrote the LoRA adapter beside the merged model: %s",
+            save_adapter(adapter_dir(out), lora, adapters.items(), base),
+        )
     step = int(checkpoint.get("global_step", 0) or 0)
     record = checkpoint_record(checkpoint, ckpt_path)
     if record is not None:  # the folder then describes itself, as a model exported at the end of training does

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from dspo.models.lora import LoraConfig, lora_config
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,10 +26,12 @@ class ModelConfig:
     decoder_layers: list[str] = field(
         default_factory=lambda: ["transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer"]
     )
+    lora: LoraConfig | None = None  # null: full fine-tuning; e.g. {r: 8}: LoRA adapters on a frozen base
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got '{self.dtype}'")
+        self.lora = lora_config(self.lora)  # Hydra and checkpoint hyperparameters hand over a mapping
 
     @property
     def tokenizer_path(self) -> str:

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from dspo.models.lora import is_adapter_key, lora_scalings, merge_adapters
+
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
 
@@ -70,8 +72,16 @@ def _gathered(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, 
             yield name, tensor.detach()
 
 
-def policy_weights(root: nn.Module, prefix: str = "policy.") -> list[tuple[str, torch.Tensor]]:
-    """The policy's full weights with Hugging Face names, detached. Under FSDP every rank must call it."""
+def policy_weights(root: nn.Module, prefix: str = "policy.", merged: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The policy's full weights with Hugging Face names, detached. Under FSDP every rank must call it.
+
+    With LoRA adapters (`model.lora`) the whole tensors are gathered first, then merged (`merge_adapters`: the base
+    weight plus the scaled low-rank update, under the base model's names), so any wrapper or sharding pushes the same
+    plain model; `merged=False` returns the adapters' and base layers' own tensors (the adapter export)."""
     if _is_fsdp1(root):
-        return [(name, tensor.detach()) for name, tensor in select_prefixed(full_state_dict(root), prefix)]
-    return list(_gathered(select_prefixed(root.state_dict(keep_vars=True), prefix)))
+        weights = [(name, tensor.detach()) for name, tensor in select_prefixed(full_state_dict(root), prefix)]
+    else:
+        weights = list(_gathered(select_prefixed(root.state_dict(keep_vars=True), prefix)))
+    if not merged or not any(is_adapter_key(name) for name, _ in weights):
+        return weights
+    return merge_adapters(weights, lora_scalings(root, prefix))

@@ -24,6 +24,9 @@ SMOKE = {
     "vs_trl": "--trl-if-installed --skip-filter --steps 1 --repeats 1 --prompts 2 --group-size 2 --max-new-tokens 16 "
     "--num-questions 8 --threads 2",
     "async": "--workloads toy --staleness 0 --rounds 3 --warmup-rounds 1 --override " + " ".join(TINY_TRAIN),
+    "lora": "--shape tiny --sequences 2 --length 32 --micro-batch-size 1 --repeats 1 --threads 2",
+    "lora_push": "--hidden-size 64 --num-layers 1 --num-heads 2 --num-kv-heads 1 --intermediate 128 --pushes 1 "
+    "--prompts 2 --max-new-tokens 4",
     "environments": "--run --setups search --seeds 0 --root envs --override trainer.max_steps=2 "
     "trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
 }
@@ -47,7 +50,7 @@ def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_step", "retrieval", "rollout"])
+@pytest.mark.parametrize("script", ["train_step", "retrieval", "rollout", "lora", "lora_push"])
 def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
     run_bench(script, SMOKE[script].split(), tmp_path)
     assert (tmp_path / "outputs" / "bench" / f"{script}.json").is_file()
