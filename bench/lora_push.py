@@ -73,9 +73,9 @@ def run_way(args: argparse.Namespace) -> dict:
     import torch
     from vllm import SamplingParams
 
+    from dspo.engines import VLLMEngine
     from dspo.models.lora import LoraConfig, save_adapter
     from dspo.models.weights import policy_weights
-    from dspo.engines import VLLMEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -40,9 +40,9 @@ def _worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
+    from dspo.callbacks.rollout_callback import module_root
     from dspo.models.weights import policy_weights
     from dspo.rollout.sampler import RoundSampler
-    from dspo.callbacks.rollout_callback import module_root
     from dspo.strategies import FSDP2Strategy
     from dspo.testing import toy_run
 
