@@ -8,6 +8,7 @@ folder or a checkpoint brings along, since both are shared and downloaded:
   package, the few third-party targets of dspo's own `conf/` (`THIRD_PARTY_TARGETS`), and those of the modules the
   command line imports (`imports=`). Anything else, at any depth (inside `_args_`, `_partial_` nodes, lists), is
   refused before anything is built, naming the record's key;
+  `env.agent` (the function of an agent written against the OpenAI API) is checked as a target;
 - a record never turns `trust_remote_code` on (a model's own Python code would run): the setting is dropped with a
   warning; the command line may set it;
 - a distributed checkpoint folder's `.metadata` is a pickle, which torch's reader unpickles: only folders owned by
@@ -39,6 +40,8 @@ THIRD_PARTY_TARGETS = frozenset(
     }
 )
 PACKAGE = "dspo"
+# Keys that name a function to import and run, as a `_target_` does (`env.agent`: an agent written for the OpenAI API)
+CODE_KEYS = frozenset({"env.agent"})
 FOREIGN_CHECKPOINT_KEY = "allow_foreign_checkpoint"
 
 
@@ -142,7 +145,8 @@ def check_targets(
                 "record may refer to other keys (${a.b}, ${oc.select:a.b,default}) only; set "
                 f"{key}=... on the command line if you trust this model folder"
             )
-        if not key.endswith("._target_") or allowed_target(node, modules):
+        names_code = key.endswith("._target_") or (key in CODE_KEYS and node is not None)
+        if not names_code or allowed_target(node, modules):
             continue
         module = str(node).rsplit(".", 1)[0] if isinstance(node, str) and "." in node else "MODULE"
         raise UntrustedRecordError(

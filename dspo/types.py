@@ -8,7 +8,7 @@ Token-level lists are plain Python lists (variable length, produced one turn at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # tensors only in PolicyBatch and two RolloutGroup properties: the retrieval side runs without torch
@@ -53,6 +53,26 @@ class Generation:
 
 
 @dataclass
+class Segment:
+    """An earlier context of an episode that its final context does not extend (the agent or the template rewrote
+    history, or the context was compacted): trained as a sample of its own with the episode's advantage, never
+    re-tokenized. Same conventions as `Trajectory`'s token lists."""
+
+    prompt_ids: list[int]  # [P]
+    response_ids: list[int]  # [R]
+    response_mask: list[int]  # [R] 1 = model-generated
+    engine_logprobs: list[float]  # [R] engine logprob on mask-1 tokens, 0.0 elsewhere
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.response_mask) != n or len(self.engine_logprobs) != n:
+            raise ValueError(
+                f"Segment lengths disagree: response_ids={n}, response_mask={len(self.response_mask)}, "
+                f"engine_logprobs={len(self.engine_logprobs)}"
+            )
+
+
+@dataclass
 class Trajectory:
     """One multi-turn episode. `response_*` covers everything after the prompt: model turns and tool turns.
 
@@ -79,6 +99,7 @@ class Trajectory:
     tool_calls: dict[str, int] = field(default_factory=dict)
     truncated: bool = False  # hit the total length cap or max_turns without an answer
     policy_version: int = 0  # number of completed training rounds when this was generated
+    segments: list[Segment] = field(default_factory=list)  # earlier contexts, trained with this one's advantage
 
     def __post_init__(self) -> None:
         if self.outcome is None:
@@ -92,7 +113,26 @@ class Trajectory:
 
     @property
     def num_generated_tokens(self) -> int:
-        return int(sum(self.response_mask))
+        return int(sum(self.response_mask)) + sum(int(sum(s.response_mask)) for s in self.segments)
+
+    def samples(self) -> list[Trajectory]:
+        """The training samples of this episode: itself (without segments), then one per segment, each with this
+        trajectory's reward, outcome and policy version (so each gets its advantage)."""
+        if not self.segments:
+            return [self]
+        own = replace(self, segments=[])
+        return [own] + [
+            replace(
+                own,
+                prompt_ids=s.prompt_ids,
+                response_ids=s.response_ids,
+                response_mask=s.response_mask,
+                engine_logprobs=s.engine_logprobs,
+                step_rewards=[],
+                turn_spans=[],
+            )
+            for s in self.segments
+        ]
 
 
 @dataclass

@@ -11,7 +11,10 @@ import sys
 
 ROLLOUT_LAYERS = [
     "dspo.agent",
+    "dspo.agent.accounting",
     "dspo.agent.config",
+    "dspo.agent.endpoint",
+    "dspo.agent.endpoint.formats",
     "dspo.agent.parsing",
     "dspo.agent.prompts",
     "dspo.agent.protocol",

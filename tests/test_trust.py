@@ -171,3 +171,19 @@ def test_setting_part_of_the_agent_does_not_exempt_the_records_agent(record, ove
     cfg = compose_config("eval", [])
     with pytest.raises(UntrustedRecordError, match="rollout.agent.extra._target_='os.system'"):
         adopt(cfg, planted, [override], "/m/dspo_run.json", EVAL_SECTIONS)
+
+
+def test_a_records_env_agent_is_code_and_checked_like_a_target(tmp_path, monkeypatch) -> None:
+    """`env.agent` names a function the endpoint agent imports and runs: a record may name it only when the command
+    line imports its module (or sets env.agent itself)."""
+    section = {"_target_": "dspo.env.Environment", "agent": "os.system"}
+    with pytest.raises(UntrustedRecordError, match=r"env\.agent='os\.system'"):
+        check_targets(section, "env", (), lambda key: False, "dspo_run.json")
+    check_targets(section, "env", (), lambda key: key == "env.agent", "dspo_run.json")  # the user's own setting
+    (tmp_path / "my_agents.py").write_text("async def agent(client, item, tools):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mine = {"_target_": "dspo.env.Environment", "agent": "my_agents.agent"}
+    with pytest.raises(UntrustedRecordError, match=r"imports=\[my_agents\]"):
+        check_targets(mine, "env", (), lambda key: False, "dspo_run.json")
+    check_targets(mine, "env", ("my_agents",), lambda key: False, "dspo_run.json")
+    check_targets({"_target_": "dspo.env.Environment", "agent": None}, "env", (), lambda key: False, "dspo_run.json")

@@ -70,7 +70,27 @@ def build_agent(agent: Any, *, engine: Any, tokenizer: Any, env: Any) -> Agent:
             f"rollout.agent: expected an agent constructor (a _target_ with _partial_: true), got "
             f"{type(agent).__name__}"
         )
+    if getattr(env, "agent", None) is not None:
+        agent = _endpoint_agent(agent)
     return agent(engine=engine, tokenizer=tokenizer, env=env)
+
+
+def _endpoint_agent(agent: Callable) -> Callable:
+    """With `env.agent` (an agent written against the OpenAI API), the agent is the endpoint that serves it, with
+    `rollout.agent`'s budgets; another `rollout.agent._target_` would be a second agent."""
+    from dspo.agent.endpoint.agent import EndpointAgent
+    from dspo.agent.tool_calling import ToolCallingAgent
+
+    target = agent.func if isinstance(agent, functools.partial) else agent
+    if target is EndpointAgent:
+        return agent
+    if target is not ToolCallingAgent:
+        raise ValueError(
+            f"env.agent and rollout.agent._target_={getattr(target, '__qualname__', target)} both name an agent: "
+            "keep rollout.agent._target_ at its default (its budgets then apply to env.agent) or unset env.agent"
+        )
+    keywords = dict(agent.keywords) if isinstance(agent, functools.partial) else {}
+    return functools.partial(EndpointAgent, **keywords)
 
 
 def check_agent_settings(agent: Any) -> None:

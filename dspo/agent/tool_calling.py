@@ -27,22 +27,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspo.agent import parsing
+from dspo.agent.accounting import (  # noqa: F401  ToolFailureError, run_with_timeout: re-exported (old import paths)
+    ToolFailureError,
+    check_tool_errors,
+    rollout_stats,
+    run_tool_batch,
+    run_with_timeout,
+)
 from dspo.agent.config import AgentConfig
 from dspo.agent.prompts import ToolTurnTemplate, build_messages, render_prompt
 from dspo.agent.protocol import AgentRollout
 from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, TurnRecord
-from dspo.env.tools import CallContext, ToolResult, ToolUnavailableError
+from dspo.env.tools import CallContext
 from dspo.types import Generation, QAItem, RolloutGroup, Trajectory
 
 ANSWER_CLOSE = "</answer>"
 TAG_FORMATS = ("qwen", "searchr1")
 LAST_TURN_NOTE = "\n(You have one turn left: give your final answer now.)"
-
-
-class ToolFailureError(RuntimeError):
-    """A tool failed on more than `env.max_tool_error_share` of a batch's calls: the round is not trained on them."""
 
 
 @dataclass
@@ -161,9 +164,9 @@ class ToolCallingAgent:
             for ep in live:
                 if ep.observation is not None:
                     self._append_observation(ep, turn)
-        self._check_tool_errors(episodes)
+        check_tool_errors(self.env, episodes)
         trajectories = self._finish(episodes, policy_version)
-        stats = self._stats(trajectories, episodes, timers, time.perf_counter() - start)
+        stats = rollout_stats(self.tools, trajectories, episodes, timers, time.perf_counter() - start)
         groups = [
             RolloutGroup(item=item, trajectories=trajectories[i * group_size : (i + 1) * group_size], prompt_index=i)
             for i, item in enumerate(items)
@@ -252,39 +255,12 @@ class ToolCallingAgent:
                 continue
             contexts = [CallContext(ep.item, turn, positions[id(ep)]) for ep in pending]
             tic = time.perf_counter()
-            results = self._run_batch(tool, [ep.pending.arguments for ep in pending], contexts, turn)
+            results = run_tool_batch(tool, [ep.pending.arguments for ep in pending], contexts)
             timers["tool_s"] += time.perf_counter() - tic
             for ep, result in zip(pending, results):
                 ep.observation, ep.turns[-1].result = result.text, result
                 if result.error is not None:
                     ep.tool_errors[name] += 1
-
-    def _run_batch(self, tool, calls: list[dict], contexts: list[CallContext], turn: int) -> list[ToolResult]:
-        """`tool.run` with its failures turned into per-call tool errors (a backend that is down fails the round)."""
-        try:
-            results = run_with_timeout(tool, calls, contexts)
-            if len(results) != len(calls):
-                raise RuntimeError(f"{type(tool).__name__}.run returned {len(results)} results for {len(calls)} calls")
-        except ToolUnavailableError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure inside a tool is a tool error, counted and bounded
-            reason = f"{type(exc).__name__}: {exc}"
-            message = f"Error: the {tool.name} tool failed on this call ({reason[:300]}). Try again or answer."
-            return [ToolResult(text=message, error=reason) for _ in calls]
-        return results
-
-    def _check_tool_errors(self, episodes: list[_Episode]) -> None:
-        calls = sum((ep.tool_calls for ep in episodes), Counter())
-        errors = sum((ep.tool_errors for ep in episodes), Counter())
-        for name, failed in errors.items():
-            share = failed / max(calls[name], 1)
-            if share > self.env.max_tool_error_share:
-                first = next(t.result.error for ep in episodes for t in ep.turns if t.result and t.result.error)
-                raise ToolFailureError(
-                    f"tool {name!r} failed on {failed} of {calls[name]} calls in this batch (share {share:.2f} > "
-                    f"env.max_tool_error_share={self.env.max_tool_error_share}); first failure: {first}. Check the "
-                    "tool's backend (index, service, model): the round is aborted rather than trained on error messages"
-                )
 
     def _append_observation(self, ep: _Episode, turn: int) -> None:
         """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap."""
@@ -342,53 +318,3 @@ class ToolCallingAgent:
             truncated=ep.truncated,
             policy_version=policy_version,
         )
-
-    def _stats(self, trajectories: list[Trajectory], episodes: list[_Episode], timers: dict, total: float) -> dict:
-        n = max(len(trajectories), 1)
-        invalid = sum((ep.invalid for ep in episodes), Counter())
-        stats = {
-            "generation_s": timers["generation_s"],
-            "tool_s": timers["tool_s"],  # time inside tools (the search tool's retriever, by default)
-            "other_s": max(total - timers["generation_s"] - timers["tool_s"], 0.0),
-            "generated_tokens": float(timers["generated_tokens"]),
-            "tokens_per_s": timers["generated_tokens"] / max(timers["generation_s"], 1e-9),
-            "tool_calls_mean": sum(t.num_tool_calls for t in trajectories) / n,
-            "invalid_calls": float(sum(invalid.values())),
-            "turns_mean": sum(t.num_turns for t in trajectories) / n,
-            "response_len_mean": sum(len(t.response_ids) for t in trajectories) / n,
-            "truncated_frac": sum(t.truncated for t in trajectories) / n,
-            "reward_mean": sum(t.reward for t in trajectories) / n,
-        }
-        stats.update({f"invalid/{tool}/{kind}": float(count) for (tool, kind), count in invalid.items()})
-        stats.update({f"calls/{name}": sum(t.tool_calls.get(name, 0) for t in trajectories) / n for name in self.tools})
-        errors = sum((ep.tool_errors for ep in episodes), Counter())
-        stats.update({f"tool_errors/{name}": float(count) for name, count in errors.items()})
-        for tool in self.tools:  # tool metrics (ToolResult.metrics): means over the batch's calls of each tool
-            measured = [
-                t.result.metrics for ep in episodes for t in ep.turns if t.call and t.call[0] == tool and t.result
-            ]
-            for key in sorted({k for m in measured for k in m}):
-                values = [m[key] for m in measured if key in m]
-                stats[f"tool/{tool}/{key}"] = sum(values) / len(values)
-        for key in sorted({key for t in trajectories for key in t.reward_components}):
-            # over the trajectories that report it (every one, for the shipped rewards but two sources' right_tool)
-            values = [t.reward_components[key] for t in trajectories if key in t.reward_components]
-            stats[f"reward/{key}"] = sum(values) / len(values)
-        return stats
-
-
-def run_with_timeout(tool, calls: list[dict], contexts: list[CallContext]) -> list[ToolResult]:
-    """`tool.run(calls, contexts)`, bounded by `tool.timeout_s` when set (the late batch keeps running in its thread,
-    which cannot be stopped from outside; its results are dropped)."""
-    timeout = getattr(tool, "timeout_s", None)
-    if timeout is None:
-        return tool.run(calls, contexts)
-    import concurrent.futures
-
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dspo-tool-{tool.name}")
-    try:
-        return pool.submit(tool.run, calls, contexts).result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"the {tool.name} tool took longer than its timeout_s={timeout}") from None
-    finally:
-        pool.shutdown(wait=False)

@@ -6,9 +6,12 @@ advantage (the estimator on outcome + shaping) plus the same estimator's advanta
 the group's step rewards (`turn_advantages`; StepSearch), so both parts are on the estimator's scale.
 
 One round holds B groups of G trajectories. They are shuffled (seeded) and cut into M mini-batches, one optimizer step
-each (M = 1 is fully on-policy). Inside a mini-batch, sequences are sorted by length before being cut into
-micro-batches, and each micro-batch is padded only to its own longest sequence: this length bucketing keeps the share of
-padding small without packing (packing would need varlen attention masks that vLLM-free CPU training lacks).
+each (M = 1 is fully on-policy). An episode trained as several samples (`Trajectory.segments`: an agent that rewrote
+its history) stays in one mini-batch, every sample with the episode's advantage.
+
+Inside a mini-batch, sequences are sorted by length before being cut into micro-batches, and each micro-batch is
+padded only to its own longest sequence: this length bucketing keeps the share of padding small without packing
+(packing would need varlen attention masks that vLLM-free CPU training lacks).
 """
 
 from __future__ import annotations
@@ -150,6 +153,12 @@ def build_round(
     if not groups:
         raise ValueError("build_round got no rollout groups")
     if credit == "turn":
+        if any(t.segments for g in groups for t in g.trajectories):
+            raise ValueError(
+                "env.reward.credit=turn: some episodes were trained as several samples (Trajectory.segments: a "
+                "rewritten history or a compacted context), and per-turn credit covers one token sequence; use "
+                "env.reward.credit=trajectory with this agent"
+            )
         flat = [
             pair
             for g, per_token in zip(groups, turn_credit(groups, advantages))
@@ -169,7 +178,7 @@ def build_round(
     chunks, plans = [], []
     for m in range(num_minibatches):
         chunk = sorted(
-            flat[m * per_minibatch : (m + 1) * per_minibatch],
+            [(sample, a) for t, a in flat[m * per_minibatch : (m + 1) * per_minibatch] for sample in t.samples()],
             key=lambda x: len(x[0].prompt_ids) + len(x[0].response_ids),
         )
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t, _ in chunk]

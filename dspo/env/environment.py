@@ -8,7 +8,9 @@ loop (`dspo.agent.tool_calling.ToolCallingAgent`) is the framework; an environme
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
 from string import Formatter
 from typing import Any
 
@@ -25,6 +27,11 @@ class Environment:
         fails naming the tool.
     instruction: the first user message, with `{question}`; None = dspo's default for the agent's tag format
         (written for one `search` tool: give your own when the tools differ).
+    agent: an agent written against the OpenAI chat API, `module.function` (or the function): `async def agent(client,
+        item, tools) -> str | None`, trained through the policy's endpoint (`env=agent`, docs/agents.md). None: the
+        agent is `rollout.agent` (the built-in tool-calling loop by default).
+    max_agent_error_share: with `agent`, above this share of a batch's episodes failing (an exception, a timeout),
+        the round fails naming the agent; below it each failed episode is a counted, untrained stub.
     """
 
     def __init__(
@@ -33,6 +40,8 @@ class Environment:
         reward: Reward,
         max_tool_error_share: float = 0.05,
         instruction: str | None = None,
+        agent: str | Callable | None = None,
+        max_agent_error_share: float = 0.05,
     ) -> None:
         self.tools = dict(tools)
         for key, tool in self.tools.items():
@@ -46,6 +55,10 @@ class Environment:
         if instruction is not None:
             check_instruction(instruction)
         self.reward, self.max_tool_error_share, self.instruction = reward, max_tool_error_share, instruction
+        if not 0 <= max_agent_error_share <= 1:
+            raise ValueError(f"env.max_agent_error_share must be within [0, 1], got {max_agent_error_share}")
+        self.agent = resolve_agent(agent) if agent is not None else None
+        self.max_agent_error_share = max_agent_error_share
 
     @property
     def credit(self) -> str:
@@ -91,3 +104,26 @@ def check_credit_fits(env: Environment, objective: Any) -> None:
             f"'{objective.name}' takes one advantage per sequence; use env.reward.credit=trajectory (the trajectory's "
             "total reward), or a token-level objective (algorithm=dapo or algorithm=grpo)"
         )
+
+
+def resolve_agent(agent: str | Callable) -> Callable:
+    """`env.agent` as a function: `module.function` is imported (the module must be importable: PYTHONPATH)."""
+    if callable(agent):
+        function = agent
+    else:
+        if not isinstance(agent, str) or "." not in agent:
+            raise ValueError(f"env.agent={agent!r}: expected module.function, e.g. env.agent=openai_agent.agent")
+        module_name, name = agent.rsplit(".", 1)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ImportError(
+                f"env.agent={agent}: module {module_name!r} failed to import ({error}); put its folder on PYTHONPATH "
+                "(e.g. PYTHONPATH=docs/examples dspo-train env=agent)"
+            ) from error
+        function = getattr(module, name, None)
+        if function is None:
+            raise ValueError(f"env.agent={agent}: module {module_name!r} has no {name!r}")
+    if not inspect.iscoroutinefunction(function):
+        raise TypeError(f"env.agent: {function!r} must be an async function: async def agent(client, item, tools)")
+    return function
