@@ -10,7 +10,8 @@ its BM25 index) and the same budgets; the endpoint side runs `docs/examples/open
 warm-up rollout, then `--repeats` alternating timed rollouts; the figure is the median round time's ratio, endpoint /
 built-in (goal: <= 1.15, issue 42). The sampled texts differ between the sides after the first turn (their observation
 tokens can split differently), so the table also shows tokens and turns. JSON: `outputs/bench/endpoint.json` (or
-`--out`); `--update-shipped` writes `bench/results/endpoint.json`.
+`--out`); `--update-shipped` writes `bench/results/endpoint.json` (`endpoint_random_vocab151k.json` with
+`--model random`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.questions < 1 or args.group_size < 1 or args.repeats < 1:
         parser.error("--questions, --group-size and --repeats must be >= 1")
-    args.out = output_path(parser, args, "endpoint.json")
+    name = "endpoint.json" if args.model == "toy" else "endpoint_random_vocab151k.json"
+    args.out = output_path(parser, args, name)
     return args
 
 

@@ -2,6 +2,8 @@
 
     python bench/environments.py --run                # train every setup below (3 seeds x 7, ~3.3 min a run on 2 cores)
     python bench/environments.py --run --setups ikea  # one setup (its runs, then the report of what is there)
+    python bench/environments.py --run --setups search agent --out bench/results/agent_learning.json \
+        --figure docs/agents.png                      # the example OpenAI-API agent against the built-in (issue 42)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
 A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +40,9 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     "ikea": ["env=ikea"],
     "two_sources": ["env=two_sources"],
     "simulated": ["env=simulated"],
+    "agent": ["env=agent"],  # docs/examples/openai_agent.py through the OpenAI-compatible endpoint (docs/agents.md)
 }
+EXAMPLES = ROOT / "docs" / "examples"  # on PYTHONPATH for every run: env=agent's function lives there
 TYPES = ("toy_1hop", "toy_2hop")
 SIGNALS = (
     "reward/info_gain",
@@ -57,7 +62,8 @@ def train(setups: list[str], root: Path, seeds: str, extra: list[str]) -> None:
             continue
         cmd = ["dspo-train", "-m", f"seed={seeds}", *SETUPS[name], *extra, f"hydra.sweep.dir={out}"]
         print(f"[{name}] {' '.join(cmd)}", flush=True)
-        subprocess.run(cmd, check=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
+        subprocess.run(cmd, check=True, env=env)
 
 
 def window_means(series, rounds: int = WINDOW) -> tuple[float, float]:

@@ -173,6 +173,7 @@ def move_into_run(fresh_dir: Path, run_dir: Path) -> None:
     fresh_dir, run_dir = Path(fresh_dir).resolve(), Path(run_dir).resolve()
     if fresh_dir == run_dir or not fresh_dir.is_dir():
         return
+    run_dir.mkdir(parents=True, exist_ok=True)  # `output_dir=NEW` names a folder that does not exist yet
     _reopen_logs(fresh_dir, run_dir)
     if (fresh_dir / ".hydra").is_dir():
         target = run_dir / ".hydra" / f"resume-{fresh_dir.name.rsplit('_', 1)[-1]}"

@@ -104,3 +104,20 @@ def test_only_folders_holding_nothing_but_hydra_files_are_removed(tmp_path) -> N
     (empty / "train.log").write_text("")
     discard(empty)
     assert not empty.exists()
+
+
+def test_output_dir_may_name_a_folder_that_does_not_exist_yet(tmp_path) -> None:
+    """`dspo-train output_dir=NEW`: the fresh Hydra folder moves into NEW, which is created (it crashed with
+    FileNotFoundError on the log file before)."""
+    fresh = tmp_path / "train" / "fresh"
+    (fresh / ".hydra").mkdir(parents=True)
+    handler = logging.FileHandler(fresh / "train.log")
+    logger = logging.getLogger("dspo.test_resume.new")
+    logger.addHandler(handler)
+    try:
+        logger.warning("hello")
+        move_into_run(fresh, tmp_path / "study" / "run")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert (tmp_path / "study" / "run" / "train.log").read_text().splitlines() == ["hello"]

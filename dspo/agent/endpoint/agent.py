@@ -145,7 +145,8 @@ class EndpointAgent:
         running = asyncio.run_coroutine_threadsafe(self._run_all(episodes, server), loop)
         try:
             self._serve(episodes, generator, timers)
-        except BaseException:
+        except BaseException as error:
+            self.scheduler.abort(RuntimeError(f"the rollout failed: {type(error).__name__}: {error}"))
             running.cancel()
             raise
         finally:

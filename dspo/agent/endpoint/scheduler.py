@@ -70,6 +70,13 @@ class Scheduler:
         with self._condition:
             self._running.update(e for e in episodes if e in self._live)
 
+    def abort(self, error: BaseException) -> None:
+        """The rollout failed: every queued request is answered with `error` (no HTTP handler is left waiting)."""
+        with self._condition:
+            queued, self._queue, self._live = self._queue, [], set()
+        for work in queued:
+            work.answer(error)
+
     def answered(self) -> None:
         """A batch has been answered: its episodes get a full `batch_wait_s` to send their next requests."""
         with self._condition:

@@ -198,3 +198,18 @@ def test_env_agent_names_an_async_function():
         resolve_agent("no_such_module_here.agent")
     with pytest.raises(ValueError, match="module.function"):
         resolve_agent("agent")
+
+
+def test_a_tool_backend_that_is_down_fails_the_round_and_the_agent_stays_usable(
+    qwen_tokenizer, retriever, failing_retriever, example_agent
+):
+    engine = ScriptedEngine(qwen_tokenizer, scripted("qwen"))
+    down = EndpointAgent(engine, qwen_tokenizer, env_with(failing_retriever, example_agent), AgentConfig())
+    try:
+        with pytest.raises(Exception, match="unreachable after 3 retries"):
+            down.rollout([PARIS], group_size=2, policy_version=0, seed=0)
+        down.env.tools["search"].retriever = retriever  # the backend is back: the next round runs
+        rollout = down.rollout([PARIS], group_size=2, policy_version=0, seed=0)
+        assert [t.reward for t in rollout.groups[0].trajectories] == [1.0, 0.0]
+    finally:
+        down.close()

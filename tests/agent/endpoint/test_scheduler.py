@@ -48,3 +48,15 @@ def test_an_episode_busy_elsewhere_does_not_stall_the_others():
 def test_batch_wait_must_be_positive():
     with pytest.raises(ValueError, match="batch_wait_s"):
         Scheduler(batch_wait_s=0)
+
+
+def test_abort_answers_every_queued_request():
+    scheduler = Scheduler()
+    scheduler.start([0, 1])
+    answers = []
+    scheduler.submit(GENERATE, 0, "p0", answers.append)
+    scheduler.submit(TOOLS, 1, ("search", {}), answers.append)
+    error = RuntimeError("engine down")
+    scheduler.abort(error)
+    assert answers == [error, error]
+    assert scheduler.next_batch() is None
