@@ -52,6 +52,17 @@ SIGNALS = (
     "rollout/tool/search/noise_probability",
 )
 WINDOW = 10  # rounds averaged at the start and at the end of a run
+PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.png
+    ("StepSearch: 2-hop validation", "val/toy_2hop/subem", [*SETUPS][:4]),  # dspo, dapo: with and without
+    ("IKEA: searches per trajectory", "rollout/calls/search", ["search", "ikea"]),
+    ("two sources: share of searches to the right source", "reward/right_tool", ["two_sources"]),
+    ("simulated search: validation subEM", "val/subem_mean", ["search", "simulated"]),
+]
+AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
+    ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),
+    ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "agent"]),
+    ("searches per trajectory", "rollout/calls/search", ["search", "agent"]),
+]
 
 
 def train(setups: list[str], root: Path, seeds: str, extra: list[str]) -> None:
@@ -150,12 +161,7 @@ def plot(root: Path, result: dict, path: Path) -> None:
 
     from dspo.analysis import curves, find_runs
 
-    panels = [
-        ("StepSearch: 2-hop validation", "val/toy_2hop/subem", [*SETUPS][:4]),  # dspo, dapo: with and without
-        ("IKEA: searches per trajectory", "rollout/calls/search", ["search", "ikea"]),
-        ("two sources: share of searches to the right source", "reward/right_tool", ["two_sources"]),
-        ("simulated search: validation subEM", "val/subem_mean", ["search", "simulated"]),
-    ]
+    panels = PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (title, tag, names) in zip(axes, panels):
         for name in (n for n in names if n in result):
