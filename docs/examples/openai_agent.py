@@ -1,6 +1,6 @@
 """A search agent written against the OpenAI chat API, trained by dspo unchanged (docs/agents.md):
 
-    PYTHONPATH=docs/examples dspo-train env=agent env.agent=openai_agent.agent
+PYTHONPATH=docs/examples dspo-train env=agent env.agent=openai_agent.agent
 """
 
 import json
