@@ -106,3 +106,15 @@ def test_toy_deep_composes_with_deep_validation_and_the_shipped_warm_starts_key(
     agent = OmegaConf.to_container(deep.prepare.toyworld.config.agent, resolve=True)
     assert agent == OmegaConf.to_container(default.prepare.toyworld.config.agent, resolve=True)  # no SFT rebuild
     assert deep.data.train_files[0].endswith("train_deep.jsonl")
+
+
+def test_dspo_eval_lists_the_deep_benchmarks():
+    """`dspo-eval data=toy_deep ...` composes (no run seed there: the data seed falls back to 0), four benchmarks."""
+    from omegaconf import OmegaConf
+
+    from dspo.testing import compose_config
+
+    cfg = compose_config("eval", ["data=toy_deep", "paths.cache=/c"])
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    assert list(data["test_files"]) == ["toy_1hop", "toy_2hop", "toy_3hop", "toy_4hop"] and data["seed"] == 0
+    assert data["test_files"]["toy_4hop"] == "/c/toyworld/default/world/test_4hop.jsonl"
