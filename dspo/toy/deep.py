@@ -52,7 +52,8 @@ def deep_files(root: str | Path) -> dict[str, str]:
 def _mentions(corpus: list[dict], names: list[str]) -> dict[str, frozenset[int]]:
     """For each name, the indices of the passages whose normalized text contains it (subEM-style containment)."""
     texts = [normalize_answer(row["contents"]) for row in corpus]
-    return {n: frozenset(i for i, t in enumerate(texts) if normalize_answer(n) in t) for n in names}
+    keys = {n: normalize_answer(n) for n in names}
+    return {n: frozenset(i for i, t in enumerate(texts) if keys[n] in t) for n in names}
 
 
 def has_shortcut(chain: list[str], mentions: dict[str, frozenset[int]]) -> bool:
