@@ -25,10 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspo.metrics import normalize_answer
+from dspo.toy.deep import DEEP_HOPS, deep_files, deep_questions
 
 FORMAT_VERSION = 6  # bump when the generated text changes, so cached worlds are rebuilt
 SPLITS = ("train", "val", "test", "demo")  # demo: entities only the warm-start demonstrations use
 HOP_SPLITS = ("val", "test")  # also written per question type (val_1hop.jsonl, ...): benchmarks toy_1hop / toy_2hop
+# (3- and 4-hop files beside them, on a random stream of their own: dspo.toy.deep, benchmarks toy_3hop / toy_4hop)
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr", "v"]
 _ONSETS += ["z", "th", "sh", "j", "h"]
@@ -318,6 +320,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def _files(root: Path) -> ToyWorldFiles:
     per_hop = {f"{s}_{h}hop": str(root / f"{s}_{h}hop.jsonl") for s in HOP_SPLITS for h in (1, 2)}
+    per_hop |= deep_files(root)  # val_3hop ... test_4hop, train_deep (dspo.toy.deep)
     return ToyWorldFiles(
         root=str(root),
         train=str(root / "train.jsonl"),
@@ -354,11 +357,24 @@ def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwr
             rows = [q for q in qa[split] if q["metadata"]["hops"] == hops]
             _write_jsonl(Path(files.extra[f"{split}_{hops}hop"]), rows)
     _write_jsonl(Path(files.corpus), corpus)
+    _write_deep(files, ents, corpus, qa["train"], config.seed)
     meta = {"entities": ents, "name_words": words, "name_pools": pools}
     Path(files.meta).write_text(json.dumps(meta, ensure_ascii=False))
     stats = {s: len(qa[s]) for s in SPLITS} | {"passages": len(corpus)}
     manifest.write_text(json.dumps({"config_hash": digest, "config": asdict(config), "stats": stats}, indent=2))
     return files
+
+
+def _write_deep(files: ToyWorldFiles, ents: dict, corpus: list[dict], train: list[dict], seed: int) -> None:
+    """The 3-/4-hop files (dspo.toy.deep), drawn on their own random stream: the files above stay as they were."""
+    deep = deep_questions(ents, corpus, seed)
+    for split in ("val", "test"):
+        for hops in DEEP_HOPS:
+            rows = [q for q in deep[split] if q["metadata"]["hops"] == hops]
+            _write_jsonl(Path(files.extra[f"{split}_{hops}hop"]), rows)
+    mixed = train + deep["train"]  # experiment=toy_deep trains on 1-4 hops
+    random.Random(f"toyworld-deep-train-{seed}").shuffle(mixed)
+    _write_jsonl(Path(files.extra["train_deep"]), mixed)
 
 
 def load_world_meta(files: ToyWorldFiles | str) -> dict[str, dict]:

@@ -147,3 +147,18 @@ def test_turn_advantages_of_the_default_estimator_are_bitwise_the_former_formula
         former = [[0.0 if r is None else (r - mean) / (std + 1e-6) for r in row] for row in steps]
         assert turn_advantages(steps, estimator=default) == former
         assert turn_advantages(steps) == former
+
+
+def test_turn_advantages_pool_a_ragged_group_not_per_turn_index() -> None:
+    """Issue 43 (4): trajectories with 1, 3 and 5 turns. The step rewards of the whole group are one pool:
+    A [1.0], B [0.0, None, 1.0], C [0.0, 0.0, 1.0, None, None] -> values 1, 0, 1, 0, 0, 1 (six), mean 0.5, every
+    deviation ±0.5, unbiased var 6 * 0.25 / 5 = 0.3, std sqrt(0.3) = 0.5477226 -> ±0.5 / 0.5477226 = ±0.9128709.
+    Per turn index it would differ: index 0 alone is [1, 0, 0] (A's first turn would get +1.1547, not +0.9129)."""
+    from dspo.algorithms.advantages import turn_advantages
+
+    out = turn_advantages([[1.0], [0.0, None, 1.0], [0.0, 0.0, 1.0, None, None]], eps=0.0)
+    a = 0.9128709
+    assert [len(row) for row in out] == [1, 3, 5]
+    assert out[0] == pytest.approx([a])
+    assert out[1] == pytest.approx([-a, 0.0, a])
+    assert out[2] == pytest.approx([-a, -a, a, 0.0, 0.0])

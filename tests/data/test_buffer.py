@@ -278,3 +278,23 @@ def test_turn_credit_scores_the_step_rewards_with_the_configured_estimator(estim
     torch.testing.assert_close(row_a, torch.tensor(expected_a, dtype=torch.float32))
     torch.testing.assert_close(row_b[:7], torch.tensor(expected_b, dtype=torch.float32))
     torch.testing.assert_close(row_c[:5], torch.tensor([0, 0] + [level[2]] * 3, dtype=torch.float32))
+
+
+def test_turn_credit_with_ragged_turns_pools_the_groups_step_rewards():
+    """Issue 43 (4): turns 1, 3 and 5 in one group, one trajectory without step rewards at all (every turn None).
+    Levels (outcome + shaping, the total less the step rewards) [1, 0, 1]: mean 2/3, unbiased std sqrt(1/3) = 0.57735
+    -> (1/3, -2/3, 1/3) / 0.57735 = (0.57735, -1.1547, 0.57735). Step rewards pooled over the group: B's 0.2 and 0.6,
+    C's 0.2, 0.2 (its 3 other turns None): values 0.2, 0.6, 0.2, 0.2, mean 0.3, deviations (-0.1, 0.3, -0.1, -0.1),
+    unbiased var (0.01 * 3 + 0.09) / 3 = 0.04, std 0.2 -> (-0.5, 1.5, -0.5, -0.5); A's one turn gets the level only."""
+    from dspo.data.buffer import turn_credit
+
+    a = _turn_trajectory(1.0, 0.0, [], [(0, 2)], 2)  # one turn, no step rewards recorded
+    b = _turn_trajectory(0.0, 0.0, [0.2, None, 0.6], [(0, 1), (2, 3), (4, 5)], 5)
+    spans = [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
+    c = _turn_trajectory(1.0, 0.0, [0.2, None, 0.2, None, None], spans, 9)
+    group = RolloutGroup(QAItem(id="q", question="q?", golden_answers=["x"]), [a, b, c])
+    (rows,) = turn_credit([group], partial(group_advantages, eps=0.0))
+    lv = [0.5773503, -1.1547005, 0.5773503]
+    assert rows[0] == pytest.approx([lv[0]] * 2)
+    assert rows[1] == pytest.approx([lv[1] - 0.5, 0, lv[1], 0, lv[1] + 1.5])
+    assert rows[2] == pytest.approx([lv[2] - 0.5, 0, lv[2], 0, lv[2] - 0.5, 0, lv[2], 0, lv[2]])
