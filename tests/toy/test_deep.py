@@ -118,3 +118,13 @@ def test_dspo_eval_lists_the_deep_benchmarks():
     data = OmegaConf.to_container(cfg.data, resolve=True)
     assert list(data["test_files"]) == ["toy_1hop", "toy_2hop", "toy_3hop", "toy_4hop"] and data["seed"] == 0
     assert data["test_files"]["toy_4hop"] == "/c/toyworld/default/world/test_4hop.jsonl"
+
+
+def test_dspo_eval_composes_the_default_toy_data_too():
+    """`dspo-eval data=toyworld` failed on `${seed}` (no run seed in eval.yaml); it falls back to 0 as toy_deep's."""
+    from omegaconf import OmegaConf
+
+    from dspo.testing import compose_config
+
+    data = OmegaConf.to_container(compose_config("eval", ["data=toyworld", "paths.cache=/c"]).data, resolve=True)
+    assert list(data["test_files"]) == ["toy_1hop", "toy_2hop"] and data["seed"] == 0
