@@ -4,6 +4,7 @@
     python bench/environments.py --run --setups ikea  # one setup (its runs, then the report of what is there)
     python bench/environments.py --run --setups search agent --out bench/results/agent_learning.json \
         --figure docs/agents.png                      # the example OpenAI-API agent against the built-in (issue 42)
+    python bench/environments.py --run --setups deep --out bench/results/toy_deep.json --figure docs/toy_deep.png
     python bench/environments.py                      # report on the runs already in outputs/environments
 
 A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
@@ -41,9 +42,10 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     "two_sources": ["env=two_sources"],
     "simulated": ["env=simulated"],
     "agent": ["env=agent"],  # docs/examples/openai_agent.py through the OpenAI-compatible endpoint (docs/agents.md)
+    "deep": ["experiment=toy_deep"],  # 1-4 hops, max_turns 8, 200 steps (issue 43; docs/toyworld.md)
 }
 EXAMPLES = ROOT / "docs" / "examples"  # on PYTHONPATH for every run: env=agent's function lives there
-TYPES = ("toy_1hop", "toy_2hop")
+TYPES = ("toy_1hop", "toy_2hop", "toy_3hop", "toy_4hop")  # the last two only in experiment=toy_deep's runs
 SIGNALS = (
     "reward/info_gain",
     "reward/redundancy",
@@ -57,6 +59,11 @@ PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.
     ("IKEA: searches per trajectory", "rollout/calls/search", ["search", "ikea"]),
     ("two sources: share of searches to the right source", "reward/right_tool", ["two_sources"]),
     ("simulated search: validation subEM", "val/subem_mean", ["search", "simulated"]),
+]
+DEEP_PANELS = [  # experiment=toy_deep, docs/toy_deep.png
+    ("3-hop validation subEM", "val/toy_3hop/subem", ["deep"]),
+    ("4-hop validation subEM", "val/toy_4hop/subem", ["deep"]),
+    ("searches per trajectory", "rollout/calls/search", ["deep"]),
 ]
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
     ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),
@@ -97,6 +104,7 @@ def run_numbers(run) -> dict[str, float]:
         test = by_tag.get(f"test/{kind}/subem")
         if test is not None and len(test):
             numbers[f"test_{kind}"] = float(test.iloc[-1])
+    numbers.update(test_episodes(run.dir))
     calls = [series for tag, series in by_tag.items() if tag.startswith("rollout/calls/")]
     if calls:
         numbers["searches_start"], numbers["searches_end"] = window_means(sum(calls))
@@ -104,6 +112,21 @@ def run_numbers(run) -> dict[str, float]:
         if tag in by_tag:
             start, end = window_means(by_tag[tag])
             numbers[f"{tag}@start"], numbers[f"{tag}@end"] = start, end
+    return numbers
+
+
+def test_episodes(run_dir: Path) -> dict[str, float]:
+    """Per test benchmark, from the run's greedy test predictions: searches per question and the share of episodes
+    that ended for lack of turns or tokens (`truncated`)."""
+    path = run_dir / "test" / "predictions.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    numbers = {}
+    for kind in sorted({row["benchmark"] for row in rows}):
+        mine = [row for row in rows if row["benchmark"] == kind]
+        numbers[f"test_{kind}_searches"] = sum(row["num_tool_calls"] for row in mine) / len(mine)
+        numbers[f"test_{kind}_truncated"] = sum(bool(row["truncated"]) for row in mine) / len(mine)
     return numbers
 
 
@@ -131,6 +154,11 @@ def print_report(result: dict) -> None:
         ("val 2-hop 0 -> end", "val_toy_2hop_start", "val_toy_2hop_end"),
         ("searches/traj first -> last 10 rounds", "searches_start", "searches_end"),
     ]
+    if any("val_toy_3hop_end" in entry["mean_ci95"] for entry in result.values()):
+        columns += [
+            ("val 3-hop 0 -> end", "val_toy_3hop_start", "val_toy_3hop_end"),
+            ("val 4-hop 0 -> end", "val_toy_4hop_start", "val_toy_4hop_end"),
+        ]
     print(f"{'setup':<22} {'n':>2}  " + "  ".join(f"{c[0]:<36}" for c in columns) + "  test 1-hop / 2-hop")
     for name, entry in result.items():
         s = entry["mean_ci95"]
@@ -161,7 +189,7 @@ def plot(root: Path, result: dict, path: Path) -> None:
 
     from dspo.analysis import curves, find_runs
 
-    panels = PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
+    panels = DEEP_PANELS if set(result) == {"deep"} else PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (title, tag, names) in zip(axes, panels):
         for name in (n for n in names if n in result):
@@ -204,11 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"JSON: {out}")
     figure = args.figure or (ROOT / "docs" / "environments.png" if args.update_shipped else out.with_suffix(".png"))
     plot(root, result, figure)
-    keys = [f"{stage}_{kind}{end}" for kind in TYPES for stage, end in (("val", "_end"), ("test", ""))]
     figures = {f"{name}.runs": entry["runs"] for name, entry in result.items()}
-    figures.update(
-        {f"{name}.{k}": entry["mean_ci95"].get(k, (None,))[0] for name, entry in result.items() for k in keys}
-    )
+    for name, entry in result.items():  # 1- and 2-hop in every setup; 3- and 4-hop where the setup has them
+        kinds = [k for k in TYPES if k in TYPES[:2] or SETUPS[name] == ["experiment=toy_deep"]]
+        keys = [f"{stage}_{kind}{end}" for kind in kinds for stage, end in (("val", "_end"), ("test", ""))]
+        figures.update({f"{name}.{k}": entry["mean_ci95"].get(k, (None,))[0] for k in keys})
     require_measured("environments", figures, hint="each setup's runs must have finished (validation and test)")
 
 
