@@ -8,11 +8,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dspo.env.tools import CallContext, ToolResult, ToolUnavailableError
-from dspo.types import Trajectory
+from dspo.types import QAItem, RolloutGroup, Trajectory
 
 
 class ToolFailureError(RuntimeError):
     """A tool failed on more than `env.max_tool_error_share` of a batch's calls: the round is not trained on them."""
+
+
+def grouped(items: Sequence[QAItem], trajectories: list[Trajectory], group_size: int) -> list[RolloutGroup]:
+    """The `group_size` consecutive trajectories of each item as its group, in `items` order (`prompt_index` = the
+    item's position)."""
+    return [
+        RolloutGroup(item=item, trajectories=trajectories[i * group_size : (i + 1) * group_size], prompt_index=i)
+        for i, item in enumerate(items)
+    ]
 
 
 def run_tool_batch(tool: Any, calls: list[dict], contexts: list[CallContext]) -> list[ToolResult]:

@@ -30,6 +30,7 @@ from dspo.agent import parsing
 from dspo.agent.accounting import (  # noqa: F401  ToolFailureError, run_with_timeout: re-exported (old import paths)
     ToolFailureError,
     check_tool_errors,
+    grouped,
     rollout_stats,
     run_tool_batch,
     run_with_timeout,
@@ -41,7 +42,7 @@ from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, TurnRecord
 from dspo.env.tools import CallContext
-from dspo.types import Generation, QAItem, RolloutGroup, Trajectory
+from dspo.types import Generation, QAItem, Trajectory
 
 ANSWER_CLOSE = "</answer>"
 TAG_FORMATS = ("qwen", "searchr1")
@@ -167,11 +168,7 @@ class ToolCallingAgent:
         check_tool_errors(self.env, episodes)
         trajectories = self._finish(episodes, policy_version)
         stats = rollout_stats(self.tools, trajectories, episodes, timers, time.perf_counter() - start)
-        groups = [
-            RolloutGroup(item=item, trajectories=trajectories[i * group_size : (i + 1) * group_size], prompt_index=i)
-            for i, item in enumerate(items)
-        ]
-        return AgentRollout(groups, stats)
+        return AgentRollout(grouped(items, trajectories, group_size), stats)
 
     def _generate_turn(self, live: list[_Episode], turn: int, greedy: bool, seed: int | None, timers: dict) -> None:
         cfg = self.config

@@ -22,10 +22,9 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-from dspo.agent.accounting import check_tool_errors, rollout_stats
+from dspo.agent.accounting import check_tool_errors, grouped, rollout_stats
 from dspo.agent.config import AgentConfig
 from dspo.agent.endpoint.episodes import Episode
 from dspo.agent.endpoint.formats import FORMATS
@@ -37,7 +36,7 @@ from dspo.agent.endpoint.trajectories import episode_trajectory
 from dspo.agent.prompts import build_messages
 from dspo.agent.protocol import AgentRollout
 from dspo.env.rewards import EpisodeRecord
-from dspo.types import QAItem, RolloutGroup
+from dspo.types import QAItem
 
 
 class AgentFailureError(RuntimeError):
@@ -159,11 +158,7 @@ class EndpointAgent:
         stats["prefix_breaks"] = float(sum(ep.prefix_breaks for ep in episodes))
         stats["agent_errors"] = float(sum(ep.error is not None for ep in episodes))
         stats["samples_per_episode"] = sum(1 + len(t.segments) for t in trajectories) / max(len(trajectories), 1)
-        groups = [
-            RolloutGroup(item=item, trajectories=trajectories[i * group_size : (i + 1) * group_size], prompt_index=i)
-            for i, item in enumerate(items)
-        ]
-        return AgentRollout(groups, stats)
+        return AgentRollout(grouped(items, trajectories, group_size), stats)
 
     def _serve(self, episodes: list[Episode], generator: Generator, timers: dict) -> None:
         """Run the batches the episodes queue, on this thread, until every episode has ended."""
@@ -247,6 +242,3 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 
 async def _close_all(clients: list[Any]) -> None:
     await asyncio.gather(*(client.aclose() for client in clients))
-
-
-AgentFunction = Callable[[Any, QAItem, Any], Any]

@@ -31,7 +31,7 @@ CALL_OPEN, CALL_CLOSE = parsing.QWEN_OPEN, parsing.QWEN_CLOSE
 def render(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None) -> str:
     """The chat template's text of `messages` + `tools`, ending with the assistant header."""
     return tokenizer.apply_chat_template(
-        list(messages), tools=list(tools) or None if tools else None, add_generation_prompt=True, tokenize=False
+        list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
     )
 
 
@@ -97,7 +97,7 @@ def assistant_message(
         return (
             {"role": "assistant", "content": None, "tool_calls": [call]},
             True,
-            [(parsing.NO_TOOL, "missing_open_tag")],
+            [(parsing.NO_TOOL, parsing.MISSING_OPEN_TAG)],
         )
     content = text[: text.index(CALL_OPEN)]
     calls, kept, invalid = [], [], []
@@ -148,7 +148,11 @@ def _parse_block(block: str) -> tuple[str, str, str | None]:
             arguments = decoded if failed is None else arguments
         if isinstance(arguments, dict):
             return value["name"], json.dumps(arguments), None
-        return value["name"], json.dumps(arguments) if not isinstance(arguments, str) else arguments, "bad_arguments"
+        return (
+            value["name"],
+            json.dumps(arguments) if not isinstance(arguments, str) else arguments,
+            parsing.BAD_ARGUMENTS,
+        )
     found = _NAME.search(body)
     kind = error[0] if error is not None else parsing.NOT_AN_OBJECT
     return (found.group(1) if found else "unknown"), body, kind

@@ -102,7 +102,6 @@ class Episode:
     tool_calls: Counter = field(default_factory=Counter)  # valid calls per tool
     invalid: Counter = field(default_factory=Counter)  # (tool, kind) -> count
     tool_errors: Counter = field(default_factory=Counter)
-    tool_results: list[tuple[str, dict, ToolResult]] = field(default_factory=list)
     answer: Any = None
     error: str | None = None  # the agent failed (exception, timeout, bad answer): a masked stub
     truncated: bool = False  # a budget ran out (turns or tokens)
@@ -120,7 +119,6 @@ class Episode:
     def record_tool(self, name: str, arguments: dict, result: ToolResult) -> None:
         """A tool call ran: credit it to the episode's latest model turn (rewards such as StepSearch's read it)."""
         self.tool_calls[name] += 1
-        self.tool_results.append((name, arguments, result))
         if result.error is not None:
             self.tool_errors[name] += 1
         if self.turns and self.turns[-1].call is None:

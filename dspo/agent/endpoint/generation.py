@@ -93,27 +93,28 @@ class Generator:
         return self.format.prompt_ids(request.messages, request.tools)
 
     def _answer(self, episode: Episode, request: ChatRequest, prompt: list[int], generations: list[Generation]) -> dict:
-        choices = []
+        kept, choices, malformed = self.format.stops(True), [], []
         for generation in generations:
             text = generation.text
-            kept = self.format.stops(True)
             if generation.stop_reason in request.stop and generation.stop_reason not in kept:
                 text = text[: text.rfind(generation.stop_reason)]
             message, has_calls, invalid = self.format.message(text, self.eos_text, request.tool_names)
             finish = "length" if generation.finish_reason == "length" else "tool_calls" if has_calls else "stop"
             choices.append(Choice(message, finish, generation))
-            if generation is generations[0]:  # the choice the episode goes on with is the one counted
-                episode.invalid.update(invalid)
-                first_invalid = invalid[0][1] if invalid else None
+            malformed.append(invalid)
+        episode.invalid.update(malformed[0])  # the choice the episode goes on with is the one counted
         episode.calls.append(CallRecord(list(prompt), generations))
-        episode.turns.append(TurnRecord(text=generations[0].text, invalid=first_invalid))
+        episode.turns.append(TurnRecord(text=generations[0].text, invalid=malformed[0][0][1] if malformed[0] else None))
         episode.messages, episode.returned = list(request.messages), choices[0].message
         return completion_body(choices, len(prompt), request.logprobs, self.tokenizer)
 
 
+MAX_OVERLAP = 8  # an end-of-turn marker is a token or a few; a longer search would be quadratic in the turn's length
+
+
 def _token_overlap(completion: list[int], following: list[int]) -> int:
     """How many leading ids of `following` the completion already ends with (its end-of-turn token)."""
-    for size in range(min(len(completion), len(following)), 0, -1):
+    for size in range(min(len(completion), len(following), MAX_OVERLAP), 0, -1):
         if completion[-size:] == following[:size]:
             return size
     return 0

@@ -118,11 +118,9 @@ def answer_on(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callab
     return answer
 
 
-async def wait_for_work(
-    scheduler: Scheduler, kind: str, episode: int, payload: Any, loop: asyncio.AbstractEventLoop | None = None
-) -> Any:
+async def wait_for_work(scheduler: Scheduler, kind: str, episode: int, payload: Any) -> Any:
     """Submit work from a coroutine and wait for its answer."""
-    loop = loop or asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()
     future = loop.create_future()
     scheduler.submit(kind, episode, payload, answer_on(loop, future))
     return await future

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
+from dspo.agent import parsing
 from dspo.agent.accounting import run_tool_batch
 from dspo.agent.config import AgentConfig
 from dspo.agent.endpoint.episodes import Episode
@@ -39,9 +40,8 @@ class AgentTool:
 
 
 class EpisodeTools(Mapping[str, AgentTool]):
-    """The tools of one episode, by name; `schemas` lists their OpenAI schemas; `instruction` is the first user
-    message the built-in agent would send for this question (`env.instruction`, or dspo's default for
-    `rollout.agent.tag_format`, with the question filled in)."""
+    """The tools of one episode, by name. `instruction` is the first user message the built-in agent would send for
+    this question (`env.instruction`, or dspo's default for `rollout.agent.tag_format`, with the question filled in)."""
 
     def __init__(self, tools: Mapping[str, Any], submit: Submit, instruction: str = "") -> None:
         self._tools = {name: AgentTool(tool, submit) for name, tool in tools.items()}
@@ -58,10 +58,6 @@ class EpisodeTools(Mapping[str, AgentTool]):
     def __len__(self) -> int:
         return len(self._tools)
 
-    @property
-    def schemas(self) -> list[dict]:
-        return [tool.schema for tool in self._tools.values()]
-
 
 def run_tool_work(
     batch: list[Work], episodes: list[Episode], tools: Mapping[str, Any], tokenizer: Any, config: AgentConfig
@@ -73,7 +69,7 @@ def run_tool_work(
         episode = episodes[work.episode]
         tool = tools.get(name)
         if tool is None:
-            episode.invalid[("call", "unknown_tool")] += 1
+            episode.invalid[(parsing.NO_TOOL, parsing.UNKNOWN_TOOL)] += 1
             work.answer(f"Error: unknown tool {name!r}; the tools are {sorted(tools)}.")
             continue
         try:
