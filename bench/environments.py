@@ -5,6 +5,8 @@
     python bench/environments.py --run --setups search agent --out bench/results/agent_learning.json \
         --figure docs/agents.png                      # the example OpenAI-API agent against the built-in (issue 42)
     python bench/environments.py --run --setups deep --out bench/results/toy_deep.json --figure docs/toy_deep.png
+    python bench/environments.py --run --setups tight_end tight_compact --seeds 0,1 \
+        --out bench/results/compaction_learning.json --figure docs/compaction.png  # overflow end vs compact (issue 43)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
 A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
@@ -33,6 +35,7 @@ from _checks import require_measured  # bench/ is on sys.path when this script r
 from _outputs import add_output_arguments, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
+TIGHT = ["experiment=toy_deep", "rollout.agent.max_total_tokens=340"]
 SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy default + these)
     "search": [],
     "stepsearch": ["env=stepsearch"],
@@ -43,6 +46,10 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     "simulated": ["env=simulated"],
     "agent": ["env=agent"],  # docs/examples/openai_agent.py through the OpenAI-compatible endpoint (docs/agents.md)
     "deep": ["experiment=toy_deep"],  # 1-4 hops, max_turns 8, 200 steps (issue 43; docs/toyworld.md)
+    # a tight context budget (a 2-hop episode takes ~344 tokens with its prompt): the episode ends, or the oldest tool
+    # responses are compacted into one-line notes (rollout.agent.overflow; docs/toyworld.md#contexts-within-budget)
+    "tight_end": [*TIGHT, "rollout.agent.overflow=end"],
+    "tight_compact": [*TIGHT, "rollout.agent.overflow=compact"],
 }
 EXAMPLES = ROOT / "docs" / "examples"  # on PYTHONPATH for every run: env=agent's function lives there
 TYPES = ("toy_1hop", "toy_2hop", "toy_3hop", "toy_4hop")  # the last two only in experiment=toy_deep's runs
@@ -52,6 +59,8 @@ SIGNALS = (
     "reward/knowledge_boundary",
     "reward/right_tool",
     "rollout/tool/search/noise_probability",
+    "rollout/truncated_frac",
+    "rollout/compactions",
 )
 WINDOW = 10  # rounds averaged at the start and at the end of a run
 PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.png
@@ -64,6 +73,11 @@ DEEP_PANELS = [  # experiment=toy_deep, docs/toy_deep.png
     ("3-hop validation subEM", "val/toy_3hop/subem", ["deep"]),
     ("4-hop validation subEM", "val/toy_4hop/subem", ["deep"]),
     ("searches per trajectory", "rollout/calls/search", ["deep"]),
+]
+TIGHT_PANELS = [  # end against compact at a tight budget, docs/compaction.png
+    ("2-hop validation subEM", "val/toy_2hop/subem", ["tight_end", "tight_compact"]),
+    ("share of rollouts out of turns or tokens", "rollout/truncated_frac", ["tight_end", "tight_compact"]),
+    ("compactions per round", "rollout/compactions", ["tight_compact"]),
 ]
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
     ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),
@@ -189,7 +203,15 @@ def plot(root: Path, result: dict, path: Path) -> None:
 
     from dspo.analysis import curves, find_runs
 
-    panels = DEEP_PANELS if set(result) == {"deep"} else PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
+    panels = (
+        DEEP_PANELS
+        if set(result) == {"deep"}
+        else TIGHT_PANELS
+        if set(result) <= {"tight_end", "tight_compact"}
+        else PANELS
+        if set(result) - {"search", "agent"}
+        else AGENT_PANELS
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (title, tag, names) in zip(axes, panels):
         for name in (n for n in names if n in result):
@@ -234,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(root, result, figure)
     figures = {f"{name}.runs": entry["runs"] for name, entry in result.items()}
     for name, entry in result.items():  # 1- and 2-hop in every setup; 3- and 4-hop where the setup has them
-        kinds = [k for k in TYPES if k in TYPES[:2] or SETUPS[name] == ["experiment=toy_deep"]]
+        kinds = [k for k in TYPES if k in TYPES[:2] or "experiment=toy_deep" in SETUPS[name]]
         keys = [f"{stage}_{kind}{end}" for kind in kinds for stage, end in (("val", "_end"), ("test", ""))]
         figures.update({f"{name}.{k}": entry["mean_ci95"].get(k, (None,))[0] for k in keys})
     require_measured("environments", figures, hint="each setup's runs must have finished (validation and test)")

@@ -47,6 +47,7 @@ AGENT_KEYS_THAT_MATTER = (
     "max_obs_tokens",
     "max_total_tokens",
     "system_prompt",
+    "overflow",
 )
 # Targets that moved, as older records name them (issue 41: the agent loop and the engines left dspo.rollout).
 MOVED_TARGETS = {

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+OVERFLOW_MODES = ("end", "compact")  # rollout.agent.overflow (dspo.agent.compaction)
+
 # rollout.agent.<key> -> where it lives now: the search tool's limits and the reward's answer guard belong to the
 # environment (conf/env/*.yaml), which every agent shares; the agent keeps what shapes an episode.
 MOVED_TO_ENV = {
@@ -72,8 +74,13 @@ class AgentConfig:
     top_p: float = 1.0
     tag_format: str = "qwen"  # "qwen" | "searchr1"
     system_prompt: str | None = None
+    # when the next turn (its tool response + max_new_tokens_per_turn) would pass max_total_tokens: "end" the episode
+    # (truncated), or "compact" the oldest tool responses into one-line notes (dspo.agent.compaction)
+    overflow: str = "end"
 
     def __post_init__(self) -> None:
+        if self.overflow not in OVERFLOW_MODES:
+            raise ValueError(f"rollout.agent.overflow={self.overflow!r}: expected one of {', '.join(OVERFLOW_MODES)}")
         # The trainer's logprobs and the rollout-correction weights (dspo.algorithms.rollout_correction) compare the
         # engine's logprob with the full-vocabulary softmax at `temperature`; a nucleus renormalizes over a subset, so
         # every sampled token would look off-policy. top_k is no option at all (vLLM ignores the model's defaults).

@@ -16,7 +16,9 @@ Departures from Search-R1's loop, on purpose: a malformed call gets an explanato
 "invalid action" string; a call in the last allowed turn ends the episode (counted as invalid, `call_after_last_turn`);
 when only one turn is left, the observation says so. The reward is computed from model-generated text only. A tool
 that fails on a call gives that trajectory an error message and is counted; above `env.max_tool_error_share` of a
-batch's calls the rollout fails naming the tool (`dspo.env.tools`).
+batch's calls the rollout fails naming the tool (`dspo.env.tools`). With `overflow: compact`, a context that would
+outgrow `max_total_tokens` has its oldest tool responses replaced by one-line notes, and the episode is trained as one
+sample per context (`dspo.agent.compaction`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspo.agent import parsing
+from dspo.agent import compaction, parsing
 from dspo.agent.accounting import (  # noqa: F401  ToolFailureError, run_with_timeout: re-exported (old import paths)
     ToolFailureError,
     check_tool_errors,
@@ -42,7 +44,7 @@ from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, TurnRecord
 from dspo.env.tools import CallContext
-from dspo.types import Generation, QAItem, Trajectory
+from dspo.types import Generation, QAItem, Segment, Trajectory
 
 ANSWER_CLOSE = "</answer>"
 TAG_FORMATS = ("qwen", "searchr1")
@@ -68,6 +70,9 @@ class _Episode:
     truncated: bool = False
     observation: str | None = None  # pending tool message for this turn
     pending: parsing.ParsedCall | None = None  # a valid call, to run with the turn's batch
+    spliced: list[compaction.Spliced] = field(default_factory=list)  # tool responses in the context (overflow=compact)
+    segments: list[Segment] = field(default_factory=list)  # contexts closed by a compaction
+    compactions: int = 0
 
     @property
     def length(self) -> int:
@@ -103,6 +108,12 @@ class ToolCallingAgent:
             raise ValueError(f"rollout.agent.max_turns={config.max_turns}: must be >= 1")
         if not isinstance(env, Environment):
             env = Environment.search(env)
+        if config.overflow == "compact" and env.credit != "trajectory":
+            raise ValueError(
+                f"rollout.agent.overflow=compact with env.reward.credit={env.credit}: a compacted episode is trained "
+                "as several samples, and per-turn credit covers one token sequence; use env.reward.credit=trajectory "
+                "or rollout.agent.overflow=end"
+            )
         tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.engine, self.tokenizer, self.env, self.config = engine, tokenizer, env, config
         self.tools = env.tools
@@ -137,6 +148,11 @@ class ToolCallingAgent:
         """The tool message spliced in after `turn` (a note when one turn is left)."""
         return observation + (LAST_TURN_NOTE if turn == self.config.max_turns - 2 else "")
 
+    def compaction_note(self, turn: TurnRecord) -> str:
+        """The one line that replaces this turn's tool response when the context is compacted (`overflow: compact`)."""
+        tool = self.tools.get(turn.call[0]) if turn.call is not None else None
+        return compaction.compaction_note(turn, tool)
+
     def rollout(
         self,
         items: list[QAItem],
@@ -168,6 +184,9 @@ class ToolCallingAgent:
         check_tool_errors(self.env, episodes)
         trajectories = self._finish(episodes, policy_version)
         stats = rollout_stats(self.tools, trajectories, episodes, timers, time.perf_counter() - start)
+        if self.config.overflow == "compact":
+            stats["compactions"] = float(sum(ep.compactions for ep in episodes))
+            stats["samples_per_episode"] = sum(1 + len(t.segments) for t in trajectories) / max(len(trajectories), 1)
         return AgentRollout(grouped(items, trajectories, group_size), stats)
 
     def _generate_turn(self, live: list[_Episode], turn: int, greedy: bool, seed: int | None, timers: dict) -> None:
@@ -260,16 +279,51 @@ class ToolCallingAgent:
                     ep.tool_errors[name] += 1
 
     def _append_observation(self, ep: _Episode, turn: int) -> None:
-        """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap."""
+        """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap (with
+        `overflow: compact`, after making room for it and a whole next turn)."""
         cfg = self.config
         text = self.observation_text(ep.observation, turn)
         obs_ids = self.tokenizer.encode(text, add_special_tokens=False)[: cfg.max_obs_tokens]
         wrapped = self.tool_turn.prefix_ids + obs_ids + self.tool_turn.suffix_ids
+        if cfg.overflow == "compact":
+            self._compact(ep, ep.length + len(wrapped) + cfg.max_new_tokens_per_turn - cfg.max_total_tokens, wrapped)
         if ep.length + len(wrapped) >= cfg.max_total_tokens:  # no room left for the model to answer
             ep.done = ep.truncated = True
             return
+        start = len(ep.response_ids) + len(self.tool_turn.prefix_ids)
         ep.append(wrapped, 0)
         ep.observation = None
+        if cfg.overflow == "compact":
+            ep.spliced.append(compaction.Spliced(start, start + len(obs_ids), self.compaction_note(ep.turns[-1])))
+
+    def _compact(self, ep: _Episode, excess: int, incoming: list[int]) -> None:
+        """Free `excess` tokens by replacing the oldest tool responses with their notes, closing the context so far as
+        a segment (its masks as sampled); nothing happens when even that would not let `incoming` in."""
+        if excess <= 0:
+            return
+        note_ids: dict[int, list[int]] = {}
+
+        def ids_of(obs: compaction.Spliced) -> list[int]:
+            if id(obs) not in note_ids:
+                note_ids[id(obs)] = self.tokenizer.encode(obs.note, add_special_tokens=False)
+            return note_ids[id(obs)]
+
+        chosen = compaction.choose(ep.spliced, ids_of, excess)
+        freed = sum((obs.end - obs.start) - len(ids_of(obs)) for obs in chosen)
+        if not chosen or ep.length - freed + len(incoming) >= self.config.max_total_tokens:
+            return
+        rewritten = compaction.rewrite(ep.response_ids, [(obs.start, obs.end, ids_of(obs)) for obs in chosen])
+        if any(ep.mask):
+            ep.segments.append(Segment(list(ep.prompt_ids), ep.response_ids, ep.mask, ep.logprobs))
+        moved = rewritten.moved
+        ep.response_ids, ep.mask, ep.logprobs = rewritten.response_ids, rewritten.response_mask, rewritten.logprobs
+        ep.turn_spans = [(moved(start), moved(end)) for start, end in ep.turn_spans]
+        replaced = {id(obs) for obs in chosen}
+        for obs in ep.spliced:
+            start = moved(obs.start)
+            end = start + len(ids_of(obs)) if id(obs) in replaced else moved(obs.end)
+            obs.start, obs.end, obs.compacted = start, end, obs.compacted or id(obs) in replaced
+        ep.compactions += 1
 
     def _finish(self, episodes: list[_Episode], policy_version: int) -> list[Trajectory]:
         """Score every finished episode in one batch (the environment's reward) and build the trajectories."""
@@ -314,4 +368,5 @@ class ToolCallingAgent:
             tool_calls=dict(ep.tool_calls),
             truncated=ep.truncated,
             policy_version=policy_version,
+            segments=list(ep.segments),
         )

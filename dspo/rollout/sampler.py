@@ -30,11 +30,12 @@ class SamplingExhausted(RuntimeError):
 class ToolAndRewardStats:
     """The environment's per-tool and per-reward-component statistics of a round, over its engine calls: counts
     (`rollout/invalid/<tool>/<kind>`, `rollout/tool_errors/<tool>`, the endpoint's `rollout/prefix_breaks` and
-    `rollout/agent_errors`) add up, means (`rollout/calls/<tool>`, `rollout/samples_per_episode`,
+    `rollout/agent_errors`, `rollout/compactions`) add up, means (`rollout/calls/<tool>`, `rollout/samples_per_episode`,
     `reward/<component>`, `rollout/tool/<tool>/<metric>`) are weighted by the trajectories of the calls that
     reported them."""
 
-    SUMS = ("invalid/", "tool_errors/", "prefix_breaks", "agent_errors")  # the last two: an agent behind the endpoint
+    # prefix_breaks and agent_errors: an agent behind the endpoint; compactions: rollout.agent.overflow=compact
+    SUMS = ("invalid/", "tool_errors/", "prefix_breaks", "agent_errors", "compactions")
     MEANS = ("calls/", "reward/", "tool/", "samples_per_episode")
 
     def __init__(self) -> None:

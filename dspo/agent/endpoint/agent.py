@@ -69,6 +69,12 @@ class EndpointAgent:
             raise ValueError("EndpointAgent: env.agent must name the agent function (module.function)")
         if config.tag_format not in FORMATS:
             raise ValueError(f"rollout.agent.tag_format={config.tag_format!r}: expected one of {sorted(FORMATS)}")
+        if config.overflow != "end":
+            raise ValueError(
+                f"rollout.agent.overflow={config.overflow} with env.agent: the agent keeps its own context (a call "
+                "that rewrites its history is trained as a sample of its own, docs/agents.md); set "
+                "rollout.agent.overflow=end"
+            )
         if env.credit != "trajectory":
             raise ValueError(
                 "env.reward.credit=turn with env.agent: an agent's calls may rewrite its history, and per-turn credit "

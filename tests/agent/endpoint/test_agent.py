@@ -185,6 +185,8 @@ def test_build_agent_serves_env_agent_with_rollout_agent_budgets(qwen_tokenizer,
         build_agent(other, engine=engine, tokenizer=qwen_tokenizer, env=env_with(retriever, example_agent))
     with pytest.raises(ValueError, match="tag_format='xml': expected one of"):
         EndpointAgent(engine, qwen_tokenizer, env_with(retriever, example_agent), AgentConfig(tag_format="xml"))
+    with pytest.raises(ValueError, match="overflow=compact with env.agent: the agent keeps its own context"):
+        EndpointAgent(engine, qwen_tokenizer, env_with(retriever, example_agent), AgentConfig(overflow="compact"))
 
 
 def sync_agent(client, item, tools):
