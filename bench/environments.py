@@ -76,7 +76,7 @@ DEEP_PANELS = [  # experiment=toy_deep, docs/toy_deep.png
 ]
 TIGHT_PANELS = [  # end against compact at a tight budget, docs/compaction.png
     ("2-hop validation subEM", "val/toy_2hop/subem", ["tight_end", "tight_compact"]),
-    ("share of rollouts out of turns or tokens", "rollout/truncated_frac", ["tight_end", "tight_compact"]),
+    ("reward of the sampled rollouts", "rollout/sampled_reward_mean", ["tight_end", "tight_compact"]),
     ("compactions per round", "rollout/compactions", ["tight_compact"]),
 ]
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png

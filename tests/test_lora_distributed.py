@@ -127,3 +127,65 @@ def test_lora_under_ddp_and_fsdp2_pushes_merged_weights_and_resumes_exactly(tmp_
     else:
         keys = torch.load(tmp_path / "ck", weights_only=True)["state_dict"].keys()
         assert keys and all(k.startswith("policy.") and ".lora_" in k for k in keys)
+
+
+def _bf16_worker(rank: int, port: int, lm_dir: str, root: str) -> None:
+    """Two FSDP2 steps with a bfloat16 base (`model.dtype=bfloat16`): what this rank's policy and pushes hold."""
+    import lightning.pytorch as pl
+
+    from dspo.callbacks.rollout_callback import module_root
+    from dspo.models.weights import policy_weights
+    from dspo.rollout.sampler import RoundSampler
+    from dspo.strategies import FSDP2Strategy
+    from dspo.testing import toy_run
+
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+    os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})
+    run = toy_run(lm_dir, root, 2, lora=LORA, kl_coef=0.1)
+    run.callback.producer.side.round_sampler = RoundSampler(run.agent, run.callback.algo, rank, WORLD)
+    run.module.model_cfg.dtype = "bfloat16"
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=2, callbacks=[run.callback], logger=False,
+        strategy=FSDP2Strategy(), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(run.module, datamodule=run.datamodule)
+    params = dict(run.module.policy.named_parameters())
+    report = {
+        "step": trainer.global_step,
+        "dtypes": {(".lora_" in n, p.dtype, p.requires_grad) for n, p in params.items()},
+        "pushes": run.engine.pushes,
+        "final": dict(policy_weights(module_root(trainer, run.module))),
+        "adam_params": len(trainer.optimizers[0].state),
+        "trainable": sum(p.requires_grad for p in params.values()),
+    }
+    torch.save(report, Path(root) / f"bf16_rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_fp32_adapters_on_a_bf16_base(tmp_path):
+    """The single-GPU memory plan (docs/scaling.md) sharded: a frozen bf16 base, fp32 adapters that AdamW updates
+    without rounding them away, merged pushes in the base's dtype and names, the same on both ranks."""
+    from dspo.testing import build_toy_lm
+
+    lm_dir = build_toy_lm(str(tmp_path / "lm"))
+    mp.spawn(_bf16_worker, args=(_free_port(), lm_dir, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"bf16_rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for report in ranks:
+        assert report["step"] == 2
+        assert report["dtypes"] == {(False, torch.bfloat16, False), (True, torch.float32, True)}
+        assert report["adam_params"] == report["trainable"] > 0
+    pushes = [r["pushes"] for r in ranks]
+    assert [v for v, _ in pushes[0]] == [1]  # after step 1, before step 2's round
+    for (_, a), (_, b) in zip(*pushes):
+        assert all(t.dtype == torch.bfloat16 for t in a.values()) and all(torch.equal(a[k], b[k]) for k in a)
+    from dspo.models import ModelConfig, load_causal_lm
+
+    base = load_causal_lm(ModelConfig(path=lm_dir, dtype="bfloat16")).state_dict()
+    pushed = pushes[0][0][1]
+    assert pushed.keys() == base.keys()
+    assert any(not torch.equal(pushed[k], base[k]) for k in base)  # one step of fp32 adapters moved bf16 weights
+    for name, tensor in ranks[0]["final"].items():
+        assert torch.equal(tensor, ranks[1]["final"][name]), name

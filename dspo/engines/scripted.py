@@ -27,7 +27,8 @@ class ScriptedEngine:
     `rollout(items, group_size)` the trajectory index is `item_position * group_size + g`.
 
     A scripted text is cut after its first stop string; a text with no stop string ends with EOS appended (the model
-    ended its turn). Logprobs are 0.0.
+    ended its turn). Logprobs are 0.0. A compacted context (`rollout.agent.overflow=compact`) extends no history, so it
+    starts a new trajectory index: script such episodes with a callable that reads the prompt.
     """
 
     def __init__(self, tokenizer, script: ScriptFn | Sequence[Sequence[str]]) -> None:
