@@ -79,6 +79,7 @@ TIGHT_PANELS = [  # end against compact at a tight budget, docs/compaction.png
     ("reward of the sampled rollouts", "rollout/sampled_reward_mean", ["tight_end", "tight_compact"]),
     ("compactions per round", "rollout/compactions", ["tight_compact"]),
 ]
+COLORS = {"tight_end": "C3", "tight_compact": "C0"}  # the two arms apart (the cycle's tenth and eleventh look alike)
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
     ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),
     ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "agent"]),
@@ -219,7 +220,7 @@ def plot(root: Path, result: dict, path: Path) -> None:
             if frame.empty:
                 continue
             n = int(frame["n"].max())
-            color = f"C{list(SETUPS).index(name)}"  # one color per setup in every panel
+            color = COLORS.get(name, f"C{list(SETUPS).index(name) % 10}")  # one color per setup in every panel
             ax.plot(frame["step"], frame["mean"], color=color, label=f"{name} (n={n})")
             ax.fill_between(frame["step"], frame["min"], frame["max"], color=color, alpha=0.15)
         ax.set_title(title, fontsize=10)

@@ -1,7 +1,8 @@
 """Each number the README, bench/README.md and the docs cite from a benchmark is in a results file under bench/results/,
 to the cited rounding, and every performance results file says what it was measured on (`bench/_outputs.py`
 `provenance`: a commit of this history, the source unchanged from it); issue 40. Learning results (environments,
-ablation, correction, async_learning) come from long training sweeps and are checked for the numbers only."""
+ablation, correction, async_learning, agent_learning, toy_deep, compaction_learning) come from long training sweeps and
+are checked for the numbers only."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ STAMPS: dict[str, Callable[[dict], list[dict]]] = {
             "endpoint.json",
             "endpoint_random_vocab151k.json",
             "lora.json",
+            "lora_push.json",
         )
     },
 }
@@ -138,6 +140,17 @@ CITED: list[Cited] = [
      lambda d: d["modes"]["full"]["step_s"]),
     ("bench/README.md", "| 8.18 s (9.10, 7.26) | 3.74 s (3.65, 3.84) |", "3.74", "lora.json",
      lambda d: d["modes"]["lora"]["step_s"]),
+    ("bench/README.md", "| 2.069 s | 5.66 s |", "2.069", "lora_push.json", lambda d: d["ways"]["merged"]["push_s"]),
+    ("bench/README.md", "| 2.069 s | 5.66 s |", "5.66", "lora_push.json", lambda d: d["ways"]["merged"]["generate_s"]),
+    ("bench/README.md", "| 0.509 s | 10.20 s |", "0.509", "lora_push.json", lambda d: d["ways"]["adapter"]["push_s"]),
+    ("bench/README.md", "| 0.509 s | 10.20 s |", "10.20", "lora_push.json",
+     lambda d: d["ways"]["adapter"]["generate_s"]),
+    ("docs/training.md", "| 0.99 / **0.22** |", "0.22", "compaction_learning.json",
+     lambda d: d["tight_end"]["mean_ci95"]["test_toy_2hop"][0]),
+    ("docs/training.md", "| 0.98 / **0.83** |", "0.83", "compaction_learning.json",
+     lambda d: d["tight_compact"]["mean_ci95"]["test_toy_2hop"][0]),
+    ("docs/training.md", "| 0.00 / 0.23 / 0.22 / **0.60** |", "0.60", "compaction_learning.json",
+     lambda d: d["tight_compact"]["mean_ci95"]["val_toy_2hop_end"][0]),
     ("docs/toyworld.md", "| 3-hop | 0.00 -> **0.007** ± 0.029 |", "0.007", "toy_deep.json",
      lambda d: d["deep"]["mean_ci95"]["val_toy_3hop_end"][0]),
 ]  # fmt: skip
@@ -153,7 +166,8 @@ def test_cited_number_is_in_its_results_file(doc, text, number, results, figure)
 
 
 def test_every_cited_performance_file_is_stamped() -> None:
-    cited = {c[3] for c in CITED} - {"correction.json", "agent_learning.json", "toy_deep.json"}
+    learning = {"correction.json", "agent_learning.json", "toy_deep.json", "compaction_learning.json"}
+    cited = {c[3] for c in CITED} - learning
     assert cited <= set(STAMPS), f"performance results cited but not stamped: {sorted(cited - set(STAMPS))}"
 
 
