@@ -4,8 +4,11 @@
     python bench/environments.py --run --setups ikea  # one setup (its runs, then the report of what is there)
     python bench/environments.py --run --setups search agent --out bench/results/agent_learning.json \
         --figure docs/agents.png                      # the example OpenAI-API agent against the built-in (issue 42)
-    python bench/environments.py --run --setups deep --out bench/results/toy_deep.json --figure docs/toy_deep.png
-    python bench/environments.py --run --setups tight_end tight_compact --seeds 0,1 \
+    python bench/environments.py --run --setups deep --out bench/results/toy_deep_warm.json \
+        --figure docs/toy_deep_warm.png               # experiment=toy_deep from its own warm start (issue 43)
+    python bench/environments.py --run --setups deep_shipped_warmstart --out bench/results/toy_deep.json \
+        --figure docs/toy_deep.png                    # the same from the default's shipped warm start (the "before")
+    python bench/environments.py --run --setups tight_end tight_compact --seeds 0 \
         --out bench/results/compaction_learning.json --figure docs/compaction.png  # overflow end vs compact (issue 43)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
@@ -35,7 +38,14 @@ from _checks import require_measured  # bench/ is on sys.path when this script r
 from _outputs import add_output_arguments, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TIGHT = ["experiment=toy_deep", "rollout.agent.max_total_tokens=340"]
+SHIPPED_WARMSTART_DEEP = [  # experiment=toy_deep from the default's shipped warm start: its recipe, toy root and limits
+    "experiment=toy_deep",
+    "prepare=toyworld",
+    "paths.toy_root=${paths.cache}/toyworld/default",
+    "prepare.toyworld.config.agent.max_turns=3",
+    "prepare.toyworld.config.agent.max_total_tokens=1024",
+]
+TIGHT = [*SHIPPED_WARMSTART_DEEP, "rollout.agent.max_total_tokens=340"]  # as measured (commit 7a14c6a)
 SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy default + these)
     "search": [],
     "stepsearch": ["env=stepsearch"],
@@ -45,12 +55,16 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     "two_sources": ["env=two_sources"],
     "simulated": ["env=simulated"],
     "agent": ["env=agent"],  # docs/examples/openai_agent.py through the OpenAI-compatible endpoint (docs/agents.md)
-    "deep": ["experiment=toy_deep"],  # 1-4 hops, max_turns 8, 200 steps (issue 43; docs/toyworld.md)
+    "deep": ["experiment=toy_deep"],  # 1-4 hops, max_turns 8, 200 steps, its warm start (issue 43; docs/toyworld.md)
+    # experiment=toy_deep from the default's shipped warm start, as bench/results/toy_deep.json measured it (commit
+    # c4ee793, when it was the setup `deep`): the default's warm-start recipe, toy root and demonstration limits
+    "deep_shipped_warmstart": SHIPPED_WARMSTART_DEEP,
     # a tight context budget (a 2-hop episode takes ~344 tokens with its prompt): the episode ends, or the oldest tool
-    # responses are compacted into one-line notes (rollout.agent.overflow; docs/toyworld.md#contexts-within-budget)
+    # responses are compacted into one-line notes (rollout.agent.overflow; docs/training.md#long-episodes-...)
     "tight_end": [*TIGHT, "rollout.agent.overflow=end"],
     "tight_compact": [*TIGHT, "rollout.agent.overflow=compact"],
 }
+DEEP_SETUPS = ["deep", "deep_shipped_warmstart"]
 EXAMPLES = ROOT / "docs" / "examples"  # on PYTHONPATH for every run: env=agent's function lives there
 TYPES = ("toy_1hop", "toy_2hop", "toy_3hop", "toy_4hop")  # the last two only in experiment=toy_deep's runs
 SIGNALS = (
@@ -69,10 +83,11 @@ PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.
     ("two sources: share of searches to the right source", "reward/right_tool", ["two_sources"]),
     ("simulated search: validation subEM", "val/subem_mean", ["search", "simulated"]),
 ]
-DEEP_PANELS = [  # experiment=toy_deep, docs/toy_deep.png
-    ("3-hop validation subEM", "val/toy_3hop/subem", ["deep"]),
-    ("4-hop validation subEM", "val/toy_4hop/subem", ["deep"]),
-    ("searches per trajectory", "rollout/calls/search", ["deep"]),
+DEEP_PANELS = [  # experiment=toy_deep, docs/toy_deep.png and docs/toy_deep_warm.png
+    ("3-hop validation subEM", "val/toy_3hop/subem", DEEP_SETUPS),
+    ("4-hop validation subEM", "val/toy_4hop/subem", DEEP_SETUPS),
+    ("searches per trajectory", "rollout/calls/search", DEEP_SETUPS),
+    ("sampled episodes out of turns or tokens", "rollout/truncated_share", DEEP_SETUPS),
 ]
 TIGHT_PANELS = [  # end against compact at a tight budget, docs/compaction.png
     ("2-hop validation subEM", "val/toy_2hop/subem", ["tight_end", "tight_compact"]),
@@ -120,6 +135,8 @@ def run_numbers(run) -> dict[str, float]:
         if test is not None and len(test):
             numbers[f"test_{kind}"] = float(test.iloc[-1])
     numbers.update(test_episodes(run.dir))
+    if "rollout/truncated_share" in by_tag:  # logged since the deep warm start's study
+        numbers["truncated_start"], numbers["truncated_end"] = window_means(by_tag["rollout/truncated_share"])
     calls = [series for tag, series in by_tag.items() if tag.startswith("rollout/calls/")]
     if calls:
         numbers["searches_start"], numbers["searches_end"] = window_means(sum(calls))
@@ -174,6 +191,8 @@ def print_report(result: dict) -> None:
             ("val 3-hop 0 -> end", "val_toy_3hop_start", "val_toy_3hop_end"),
             ("val 4-hop 0 -> end", "val_toy_4hop_start", "val_toy_4hop_end"),
         ]
+    if any("truncated_end" in entry["mean_ci95"] for entry in result.values()):
+        columns += [("out of turns/tokens first -> last 10 rounds", "truncated_start", "truncated_end")]
     print(f"{'setup':<22} {'n':>2}  " + "  ".join(f"{c[0]:<36}" for c in columns) + "  test 1-hop / 2-hop")
     for name, entry in result.items():
         s = entry["mean_ci95"]
@@ -204,15 +223,12 @@ def plot(root: Path, result: dict, path: Path) -> None:
 
     from dspo.analysis import curves, find_runs
 
-    panels = (
-        DEEP_PANELS
-        if set(result) == {"deep"}
-        else TIGHT_PANELS
-        if set(result) <= {"tight_end", "tight_compact"}
-        else PANELS
-        if set(result) - {"search", "agent"}
-        else AGENT_PANELS
-    )
+    if set(result) <= set(DEEP_SETUPS):
+        panels = DEEP_PANELS
+    elif set(result) <= {"tight_end", "tight_compact"}:
+        panels = TIGHT_PANELS
+    else:
+        panels = PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (title, tag, names) in zip(axes, panels):
         for name in (n for n in names if n in result):

@@ -81,7 +81,7 @@ class RoundSampler:
     ) -> tuple[list[RolloutGroup], dict[str, float]]:
         """Fill this rank's share of B mixed groups. Returns the groups and rollout statistics for logging."""
         kept: list[RolloutGroup] = []
-        sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = 0
+        sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = 0
         reward_sum = 0.0
         details = ToolAndRewardStats()
         retriever = getattr(self.agent, "retriever", None)
@@ -118,6 +118,7 @@ class RoundSampler:
             invalid += stats.get("invalid_calls", 0.0)
             details.add(stats, len(groups) * self.spec.group_size)
             trajectories += len(groups) * self.spec.group_size
+            truncated += sum(t.truncated for group in groups for t in group.trajectories)
             reward_sum += float(rewards.sum())
             sampled += len(groups)
             passed += int(keep.sum())
@@ -134,6 +135,8 @@ class RoundSampler:
             "rollout/tool_calls_mean": tool_calls / max(trajectories, 1),
             "rollout/invalid_calls": float(invalid),
             "rollout/sampled_reward_mean": reward_sum / max(trajectories, 1),
+            # sampled episodes that ran out of turns or tokens before an answer (deep questions, experiment=toy_deep)
+            "rollout/truncated_share": truncated / max(trajectories, 1),
             "rollout/generated_tokens": float(tokens),  # every sampled token, filtered-out groups included
             "rollout/time_s": elapsed,
             "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),

@@ -23,9 +23,10 @@ CORRECT = "correct"
 IMPERFECT_KINDS = ("no_search", "wrong_hop", "distractor", "malformed")
 # Which entity type a relation points to (for plausible wrong guesses).
 ANSWER_TYPE = {"born_in": "city", "founded_by": "person", "country": "country", "capital": "city", "city": "city"}
+ANSWER_TYPE |= {"person": "person"}  # a landmark's patron or designer (3-/4-hop chains, dspo.toy.deep)
 # How the scripted thoughts name a relation: "the {phrase} of {entity}" (see _plan).
 RELATION_PHRASE = {"born_in": "birthplace", "founded_by": "founder", "country": "country", "capital": "capital"}
-RELATION_PHRASE |= {"city": "city"}
+RELATION_PHRASE |= {"city": "city", "person": "patron or designer"}
 _NAME = re.compile(r"[A-Z][a-z]+(?: [A-Z][a-z]+)*")
 _DOC_HEADER = re.compile(r"Doc \d+ \(Title: [^)]*\)\s*")  # the agent's passage prefix (dspo.agent.tool_calling)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -64,6 +65,10 @@ class ScriptedPolicy:
 
     def __post_init__(self) -> None:
         self.hop_tools = ["search"] * len(self.item.metadata["chain"])
+        # searches before a `wrong_hop` answer: one on 2-hop questions; on deeper ones (dspo.toy.deep) any number short
+        # of the chain, drawn only there so that 1-/2-hop demonstrations stay what they were
+        hops = len(self.item.metadata["relations"])
+        self.stop_after = self.rng.randint(1, hops - 1) if self.kind == "wrong_hop" and hops > 2 else 1
         if self.sources:  # drawn once, so every turn of the episode agrees (and nothing is drawn without sources)
             from dspo.toy.sources import chain_types, source_of
 
@@ -99,8 +104,8 @@ class ScriptedPolicy:
             if fact is None:  # the passage was not retrieved: say so, never answer from memory
                 return answer_text(self._guess(rel), f"The results do not say the {RELATION_PHRASE[rel]} of {entity}.")
             last = step == len(relations) - 1
-            if self.kind == "wrong_hop" and len(relations) > 1:
-                return answer_text(value, fact)  # stops one hop early
+            if self.kind == "wrong_hop" and len(relations) > 1 and step + 1 == self.stop_after:
+                return answer_text(value, fact)  # stops early: answers the hop it just read
             if last and self.kind in ("wrong_hop", "distractor"):
                 wrong = self._other_name(observations[step], exclude={entity, value}) or self._guess(rel)
                 return answer_text(wrong, fact.replace(value, wrong))  # misreads the name
@@ -150,10 +155,21 @@ def evidence(observation: str, entity: str, value: str) -> str | None:
     after two searches it wrote the first hop's ("The birthplace of <city>.") in 123 of 138 sampled 2-hop rollouts
     (measured) and answered the city. A quote is copied, not composed."""
     text = _DOC_HEADER.sub("\n", observation)
-    for sentence in _SENTENCE_END.split(text):
+    sentences = _SENTENCE_END.split(text)
+    for sentence in sentences:
         if entity in sentence and value in sentence:
             end = max(sentence.index(entity) + len(entity), sentence.index(value) + len(value))
             return sentence[:end].strip().rstrip(",;") + "."
+    return _pronoun_evidence(sentences, entity, value)
+
+
+def _pronoun_evidence(sentences: list[str], entity: str, value: str) -> str | None:
+    """A landmark's designer ("The X Tower stands in Y. It was designed by Z."): the fact's sentence says "It", so the
+    quote is the sentence naming the entity and that one, cut after the value. Only reached where no sentence names
+    both (the 3-/4-hop chains through a landmark, dspo.toy.deep): 1-/2-hop demonstrations never get here with a hit."""
+    for before, sentence in zip(sentences, sentences[1:]):
+        if entity in before and sentence.startswith("It ") and value in sentence:
+            return f"{before.strip()} {sentence[: sentence.index(value) + len(value)].strip()}."
     return None
 
 

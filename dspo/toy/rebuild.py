@@ -6,6 +6,7 @@
     python -m dspo.toy.rebuild --update-shipped      # replace the repository's data/toy_warmstart (what configs adopt)
     python -m dspo.toy.rebuild --report MODEL_DIR    # only measure a model folder (shipped or rebuilt)
     python -m dspo.toy.rebuild -- prepare.toyworld.config.steps=2000   # Hydra overrides of the train config
+    python -m dspo.toy.rebuild --update-shipped -- experiment=toy_deep  # the deep warm start, data/toy_deep_warmstart
 
 It composes the train config (so the world, vocabulary, warm-start recipe and agent settings are the ones
 `dspo-train` uses), builds everything with `shipped=None`, measures the model and writes `tokenizer/`, `model/` and
@@ -15,6 +16,13 @@ per question type (1-hop, 2-hop):
   saw) at the RL temperature, G per question: the rate at which RL's groups will be mixed;
 - `val_greedy`: greedy subEM on the validation questions (what step 0 of a run's validation logs);
 - `train_2hop_outcomes`: where the sampled 2-hop rollouts go (`two_hop_outcome`), as shares.
+
+A config whose `prepare.toyworld.shipped_model` names a model folder (experiment=toy_deep: a fine-tune of the shipped
+model on 3- and 4-hop demonstrations too, conf/prepare/toyworld_deep.yaml) rebuilds that model only: the tokenizer is
+the shipped one (adopted as `dspo-train` adopts it), and `--update-shipped` writes `model/` and `report.json` to the
+folder above `shipped_model` (data/toy_deep_warmstart). Its report measures per chain length (1- to 4-hop) what the
+run's data config names (train_deep.jsonl, toy_1hop ... toy_4hop): sampled success and mixed groups on train questions,
+greedy subEM on validation and test, searches per question and the share of episodes that ran out of turns or tokens.
 """
 
 from __future__ import annotations
@@ -47,11 +55,28 @@ def compose_train(overrides: list[str]):
         return compose(config_name="train", overrides=["output_dir=/tmp", *overrides])
 
 
+def shipped_target(overrides: list[str]) -> tuple[Path, tuple[str, ...]]:
+    """(the shipped folder the config adopts, the parts it holds): data/toy_warmstart with tokenizer/ and model/, or
+    the folder above `prepare.toyworld.shipped_model` with model/ only (its tokenizer is data/toy_warmstart's)."""
+    toyworld = compose_train(overrides).prepare.get("toyworld")
+    if toyworld is None:
+        raise ValueError(f"python -m dspo.toy.rebuild: the train config with {overrides} has no prepare.toyworld")
+    model = toyworld.get("shipped_model")
+    if model is None:
+        return data_dir() / SHIPPED, ("tokenizer", "model")
+    if Path(model).name != "model":
+        raise ValueError(f"prepare.toyworld.shipped_model must be a folder named model, got {model}")
+    return Path(model).parent, ("model",)
+
+
 def rebuild(workdir: str, overrides: list[str]) -> tuple[object, str]:
-    """Build world, tokenizer and warm start under `workdir` without adopting anything shipped; (world, model dir)."""
+    """Build world, tokenizer and warm start under `workdir` without adopting the model shipped; (world, model dir).
+    A config with `shipped_model` adopts the shipped tokenizer (the one its model was fine-tuned with)."""
     from hydra.utils import instantiate
 
-    cfg = compose_train([f"paths.toy_root={workdir}", "prepare.toyworld.shipped=null", *overrides])
+    _, parts = shipped_target(overrides)
+    unship = "prepare.toyworld.shipped=null" if "tokenizer" in parts else "prepare.toyworld.shipped_model=null"
+    cfg = compose_train([f"paths.toy_root={workdir}", unship, *overrides])
     return instantiate(cfg.prepare.toyworld)
 
 
@@ -94,6 +119,8 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     env = instantiate(cfg.env)  # the run's environment over this world (its retriever group's index)
     engine = instantiate(cfg.rollout.engine)(model_path=model_dir)
     agent = build_agent(instantiate(cfg.rollout.agent), engine=engine, tokenizer=load_tokenizer(model_dir), env=env)
+    if "toy_3hop" in cfg.data.val_files:
+        return measure_deep(agent, cfg.data, questions, group_size)
     report: dict[str, dict[str, float]] = {"train_sampled": {}, "val_greedy": {}, "train_mixed_groups": {}}
     train = load_qa(world.train, benchmark="toy", limit=questions)
     rewards, mixed, outcomes = defaultdict(list), defaultdict(list), []
@@ -117,9 +144,51 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     return report
 
 
-def ship(workdir: str, output: Path, report: dict) -> None:
+def measure_deep(agent, data, questions: int = 200, group_size: int = 5) -> dict:
+    """experiment=toy_deep's measures, per chain length: sampled success, mixed groups and searches on up to
+    `questions` / 2 train questions of each length (train_deep.jsonl, G=`group_size`, the RL temperature), and greedy
+    subEM, searches and the share out of turns or tokens on the validation and test benchmarks (toy_1hop ... toy_4hop,
+    `data.val_limit` / `data.test_limit` each: what a run's step-0 validation and a test of the warm start log)."""
+    from dspo.data.qa import load_qa
+
+    train = load_qa(data.train_files[0], benchmark="toy")
+    per_length = max(1, questions // 2)
+    picked = [item for hops in (1, 2, 3, 4) for item in [i for i in train if i.metadata["hops"] == hops][:per_length]]
+    report: dict[str, dict] = {key: {} for key in ("train_sampled", "train_mixed_groups", "train_searches")}
+    by_hops = defaultdict(list)
+    for group in agent.rollout(picked, group_size=group_size, policy_version=0, seed=1234).groups:
+        by_hops[group.item.metadata["hops"]].append(group.trajectories)
+    for hops, groups in sorted(by_hops.items()):
+        flat = [t for group in groups for t in group]
+        report["train_sampled"][f"{hops}hop"] = round(sum(t.reward for t in flat) / len(flat), 4)
+        mixed = [0 < sum(t.reward for t in group) < len(group) for group in groups]
+        report["train_mixed_groups"][f"{hops}hop"] = round(sum(mixed) / len(mixed), 4)
+        report["train_searches"][f"{hops}hop"] = round(sum(t.num_tool_calls for t in flat) / len(flat), 4)
+    for stage, files, limit in (("val", data.val_files, data.val_limit), ("test", data.test_files, data.test_limit)):
+        report |= greedy_benchmarks(agent, stage, files, limit)
+    report["settings"] = {"train_questions": len(picked), "group_size": group_size}
+    return report
+
+
+def greedy_benchmarks(agent, stage: str, files, limit: int | None) -> dict[str, dict[str, float]]:
+    """Greedy subEM, searches per question and the share of episodes that ended for lack of turns or tokens, per
+    benchmark of `files` ({name: path}); keys `<stage>_greedy`, `<stage>_searches`, `<stage>_truncated`."""
+    from dspo.data.qa import load_qa
+
+    report: dict[str, dict[str, float]] = {f"{stage}_{key}": {} for key in ("greedy", "searches", "truncated")}
+    for name, path in files.items():
+        items = load_qa(path, benchmark=name, limit=limit)
+        runs = [g.trajectories[0] for g in agent.rollout(items, group_size=1, policy_version=0, greedy=True).groups]
+        hops = name.removeprefix("toy_")
+        report[f"{stage}_greedy"][hops] = round(sum(t.reward for t in runs) / len(runs), 4)
+        report[f"{stage}_searches"][hops] = round(sum(t.num_tool_calls for t in runs) / len(runs), 4)
+        report[f"{stage}_truncated"][hops] = round(sum(t.truncated for t in runs) / len(runs), 4)
+    return report
+
+
+def ship(workdir: str, output: Path, report: dict, parts: tuple[str, ...] = ("tokenizer", "model")) -> None:
     output.mkdir(parents=True, exist_ok=True)
-    for part in ("tokenizer", "model"):
+    for part in parts:
         if (output / part).exists():
             shutil.rmtree(output / part)
         shutil.copytree(Path(workdir) / part, output / part)
@@ -143,7 +212,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.update_shipped and args.output is not None:
         parser.error("--output and --update-shipped both name the output; give one")
-    args.output = str(data_dir() / SHIPPED) if args.update_shipped else args.output or str(DEFAULT_OUTPUT)
+    shipped, args.parts = shipped_target(args.overrides)
+    default = DEFAULT_OUTPUT if shipped.name == SHIPPED else Path("outputs") / shipped.name
+    args.output = str(shipped) if args.update_shipped else args.output or str(default)
     if args.report is not None and not (Path(args.report) / "config.json").is_file():
         parser.error(f"--report {args.report}: not a model folder (no config.json)")
     return args
@@ -166,12 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     world, model_dir = rebuild(workdir, args.overrides)
     report = measure(model_dir, world, args.overrides, args.questions)
     report["build_seconds"] = round(time.perf_counter() - start, 1)
-    ship(workdir, Path(args.output), report)
+    ship(workdir, Path(args.output), report, args.parts)
     print(json.dumps(report, indent=2))
     if args.update_shipped:
         print(f"shipped to {args.output}")
-    else:  # the default config adopts only data/toy_warmstart (prepare.toyworld.shipped)
+    elif "tokenizer" in args.parts:  # the default config adopts only data/toy_warmstart (prepare.toyworld.shipped)
         print(f"wrote {args.output}; to use it: prepare.toyworld.shipped={Path(args.output).absolute()}")
+    else:
+        print(f"wrote {args.output}; to use it: prepare.toyworld.shipped_model={Path(args.output).absolute()}/model")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ under-searching of instruct models on multi-hop questions that Search-R1-style R
 
 The repository ships the result for the default config (`data/toy_warmstart`, rebuilt by `python -m
 dspo.toy.rebuild --update-shipped`); `prepare_toy_default` adopts it when the manifests match (`dspo.toy.shipped`).
+experiment=toy_deep ships a fine-tune of it (`data/toy_deep_warmstart/model`, `deep_demos`): the default never saw a
+chain longer than two hops and, from it, RL never completed a third (measured, docs/toyworld.md).
 
 Everything is cached: `prepare_toy_default` reuses a world, tokenizer and model whose manifests match the config.
 """
@@ -43,6 +45,7 @@ from dspo.engines import HFEngine
 from dspo.engines.scripted import ScriptedEngine
 from dspo.search.bm25 import BM25Index, build_or_load_index
 from dspo.search.corpus import load_corpus
+from dspo.toy.deep import DEEP_HOPS
 from dspo.toy.demos import IMPERFECT_KINDS, check_imperfect_kinds, make_script
 from dspo.toy.drills import recall_examples
 from dspo.toy.model import build_tiny_model
@@ -126,6 +129,11 @@ class WarmStartConfig:
     # fine-tune this model (a folder with the same tokenizer, e.g. the shipped warm start) instead of a random one:
     # it already reads and copies names, so a new call format takes a few hundred steps, not the whole recipe
     init_model: str | None = None
+    # experiment=toy_deep: up to this many 3- and 4-hop demonstrations (the demo split's chains, `demo_deep.jsonl`,
+    # dspo.toy.deep) join the 1-/2-hop ones, and `deep_renamings` renamed copies of them. The shipped warm start never
+    # saw a chain longer than 2: greedy, it answered 3-hop questions without searching or after 1-2 searches (measured)
+    deep_demos: int = 0
+    deep_renamings: int = 0
 
     def __post_init__(self) -> None:
         self.imperfect_kinds = list(check_imperfect_kinds(self.imperfect_kinds))
@@ -133,6 +141,9 @@ class WarmStartConfig:
             share = getattr(self, name)
             if share is not None and not 0.0 <= share <= 1.0:
                 raise ValueError(f"WarmStartConfig.{name} must be in [0, 1], got {share}")
+        for name in ("deep_demos", "deep_renamings"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"WarmStartConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 def _digest(obj: object) -> str:
@@ -141,7 +152,7 @@ def _digest(obj: object) -> str:
 
 # fields added after the shipped warm start was built: left out of its key at their defaults, so that the shipped
 # model (data/toy_warmstart) still matches the default config
-_LATER_FIELDS = {"sources": None, "right_tool_share": 1.0, "init_model": None}
+_LATER_FIELDS = {"sources": None, "right_tool_share": 1.0, "init_model": None, "deep_demos": 0, "deep_renamings": 0}
 
 
 def config_key(config: WarmStartConfig) -> str:
@@ -334,10 +345,15 @@ def warm_start(
         )  # fmt: skip
 
     demos = render(items, world_meta, toy_retriever(world), config.seed)
+    deep_items = deep_demo_items(world, config.deep_demos)
+    if deep_items:  # a seed of their own: the 1-/2-hop demonstrations above and their copies stay as they were
+        demos += render(deep_items, world_meta, toy_retriever(world), config.seed + _DEEP_SEED)
     rng = random.Random(config.seed)
     hop2_items = [item for item in items if int(item.metadata["hops"]) > 1]
-    # the same demo facts under fresh names (dspo.toy.renaming): every question, then the 2-hop ones only
+    # the same demo facts under fresh names (dspo.toy.renaming): every question, then the 2-hop ones only, then the
+    # deep ones
     copies = [items] * config.demo_renamings + ([hop2_items] * config.hop2_renamings if hop2_items else [])
+    copies += [deep_items] * config.deep_renamings if deep_items else []
     for copy, subset in enumerate(copies):
         meta, index, renamed = renamed_world(world_meta, passages, subset, fresh_names(world_meta, pieces, rng))
         demos += render(renamed, meta, index, config.seed + 1 + copy)
@@ -368,6 +384,23 @@ def warm_start(
     }
     (out / MANIFEST).write_text(json.dumps({"key": key, "config": asdict(config), "stats": stats}, indent=2))
     return str(out)
+
+
+_DEEP_SEED = 10_000  # offset of the deep demonstrations' script seed (renamed copies use seed + 1 + copy)
+
+
+def deep_demo_items(world: ToyWorldFiles, limit: int) -> list[QAItem]:
+    """The first `limit` 3-hop and the first `limit` 4-hop questions of the world's `demo_deep.jsonl` (none for 0)."""
+    if limit == 0:
+        return []
+    path = world.extra.get("demo_deep")
+    if not path or not Path(path).is_file():
+        raise FileNotFoundError(
+            f"prepare.toyworld.config.deep_demos: the world {world.root} has no demo_deep.jsonl (rebuild the world)"
+        )
+    items = load_qa(path, benchmark="toy")
+    by_hops = [[item for item in items if int(item.metadata["hops"]) == hops][:limit] for hops in DEEP_HOPS]
+    return [item for group in by_hops for item in group]
 
 
 def _check_init_model(path: str, tokenizer) -> str:
@@ -425,12 +458,15 @@ def prepare_toy_default(
     vocab_size: int = 1024,
     config: WarmStartConfig | None = None,
     shipped: str | None = None,
+    shipped_model: str | None = None,
 ) -> tuple[ToyWorldFiles, str]:
     """World + tokenizer + warm-started model under `root` (each step cached); returns (world files, model dir).
 
     `vocab_size` counts the name words (one id each, see `build_toy_tokenizer`); the rest goes to BPE merges.
     `shipped`: a folder with `tokenizer/` and `model/` built by `python -m dspo.toy.rebuild` (the repository carries
     one, `data/toy_warmstart`); each is copied in instead of built when its manifest matches. None = always build.
+    `shipped_model`: a model folder tried instead of `shipped`'s `model/`, for a warm start that shares the shipped
+    tokenizer (experiment=toy_deep: `data/toy_deep_warmstart/model`, a fine-tune of the shipped model).
     """
     world_config = world_config or ToyWorldConfig()
     base = Path(root)
@@ -439,5 +475,6 @@ def prepare_toy_default(
     world = build_toyworld(str(base / "world"), world_config)
     ship = Path(shipped) if shipped else None
     tokenizer_dir = build_toy_tokenizer(world, str(base / "tokenizer"), vocab_size, ship and str(ship / "tokenizer"))
-    model_dir = warm_start(str(base / "model"), world, tokenizer_dir, config, ship and str(ship / "model"))
+    model_ship = shipped_model or (ship and str(ship / "model"))
+    model_dir = warm_start(str(base / "model"), world, tokenizer_dir, config, model_ship)
     return world, model_dir

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspo.metrics import normalize_answer
-from dspo.toy.deep import DEEP_HOPS, deep_files, deep_questions
+from dspo.toy.deep import DEEP_HOPS, deep_demo_questions, deep_files, deep_questions
 
 FORMAT_VERSION = 6  # bump when the generated text changes, so cached worlds are rebuilt
 SPLITS = ("train", "val", "test", "demo")  # demo: entities only the warm-start demonstrations use
@@ -375,6 +375,7 @@ def _write_deep(files: ToyWorldFiles, ents: dict, corpus: list[dict], train: lis
     mixed = train + deep["train"]  # experiment=toy_deep trains on 1-4 hops
     random.Random(f"toyworld-deep-train-{seed}").shuffle(mixed)
     _write_jsonl(Path(files.extra["train_deep"]), mixed)
+    _write_jsonl(Path(files.extra["demo_deep"]), deep_demo_questions(ents, corpus, seed))  # the deep warm start's
 
 
 def load_world_meta(files: ToyWorldFiles | str) -> dict[str, dict]:

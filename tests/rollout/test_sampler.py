@@ -46,6 +46,23 @@ def test_fills_b_mixed_groups_with_oversampling_and_tags_version():
     assert stats["rollout/wasted_token_share"] > 0
 
 
+def test_truncated_share_counts_sampled_episodes_that_ran_out_of_turns_or_tokens():
+    class CutAgent(FakeAgent):
+        def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
+            result = super().rollout(items, group_size, policy_version, greedy, seed)
+            for group in result.groups:
+                group.trajectories[0].truncated = True  # one episode of each group
+            return result
+
+    env = RoundSampler(CutAgent(), AlgorithmConfig(group_size=4, batch_groups=2, filter="none"))
+    _, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
+    assert stats["rollout/truncated_share"] == 0.25
+    _, plain = RoundSampler(FakeAgent(), AlgorithmConfig(group_size=4, batch_groups=2, filter="none")).sample_round(
+        PromptSampler(ITEMS, seed=0), policy_version=0, seed=0
+    )
+    assert plain["rollout/truncated_share"] == 0.0
+
+
 def test_no_filter_keeps_first_b_groups():
     env = RoundSampler(FakeAgent(), AlgorithmConfig(group_size=2, batch_groups=3, filter="none"))
     groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)

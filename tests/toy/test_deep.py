@@ -28,6 +28,16 @@ DEFAULT_MD5 = {
     "test_2hop.jsonl": "10a0ab8dd2d99a094f12bdb6072a57f8",
     "world.json": "16d76a9aa269efb83b748fa8a9a2d817",
 }
+# md5 of the deep files as the shipped-warm-start study read them (commit 7dcb685), and of the deep demonstrations'
+# chains added after it (demo_deep.jsonl, on a stream of their own)
+DEEP_MD5 = {
+    "val_3hop.jsonl": "4ed667d1720d6a2e368db102439b68dd",
+    "val_4hop.jsonl": "ecc5670abd212f6f2c6c9b2e6b380611",
+    "test_3hop.jsonl": "9b7aa49902b75b5f8ff69091941977f3",
+    "test_4hop.jsonl": "39c7c2906af5782e1638ce3a3af0d9aa",
+    "train_deep.jsonl": "6d36fb01e8683fc0bf97e63cb5dfde10",
+    "demo_deep.jsonl": "8cb1f914f89b4b6d87e9ecaf2a3c0c78",
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +50,21 @@ def _rows(path: str) -> list[dict]:
 
 
 def test_the_default_worlds_files_are_unchanged(world):
-    for name, digest in DEFAULT_MD5.items():
+    for name, digest in (DEFAULT_MD5 | DEEP_MD5).items():
         assert hashlib.md5((Path(world.root) / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_deep_demonstration_chains_stay_inside_the_demo_split(world):
+    """demo_deep.jsonl (the deep warm start's demonstrations): every entity of a chain and its answer are demo
+    entities, which RL and evaluation never see, and no chain has a shortcut."""
+    ents = load_world_meta(world)
+    rows = _rows(world.extra["demo_deep"])
+    for row in rows:
+        chain = [*row["metadata"]["chain"], row["golden_answers"][0]]
+        assert {ents[name]["split"] for name in chain} == {"demo"}, row["id"]
+        assert len(set(chain)) == len(chain) == row["metadata"]["hops"] + 1
+    hops = [row["metadata"]["hops"] for row in rows]
+    assert {h: hops.count(h) for h in (3, 4)} == {3: 300, 4: 112}
 
 
 def test_every_hop_needs_a_search_for_the_previous_hops_answer(world):
@@ -92,20 +115,26 @@ def test_train_deep_is_the_default_train_split_plus_deep_chains(world):
     assert {h: hops.count(h) for h in (1, 2, 3, 4)} == {1: 300, 2: 300, 3: 300, 4: 82}
 
 
-def test_toy_deep_composes_with_deep_validation_and_the_shipped_warm_starts_key():
+def test_toy_deep_composes_with_deep_validation_and_a_warm_start_of_its_own():
+    """experiment=toy_deep: four validation benchmarks, its own toy root, and a warm start fine-tuned from the shipped
+    one on deep demonstrations whose episode limits are the run's (demonstrations look like its rollouts)."""
     from omegaconf import OmegaConf
 
     from dspo.testing import compose_config
 
     deep = compose_config("train", ["experiment=toy_deep", "output_dir=/tmp/run", "paths.cache=/c"])
-    default = compose_config("train", ["output_dir=/tmp/run", "paths.cache=/c"])
     assert list(deep.data.val_files) == list(deep.data.test_files) == [f"toy_{h}hop" for h in (1, 2, 3, 4)]
     assert (
         deep.rollout.agent.max_turns >= 8 and deep.rollout.agent.max_total_tokens <= deep.rollout.engine.max_model_len
     )
     agent = OmegaConf.to_container(deep.prepare.toyworld.config.agent, resolve=True)
-    assert agent == OmegaConf.to_container(default.prepare.toyworld.config.agent, resolve=True)  # no SFT rebuild
-    assert deep.data.train_files[0].endswith("train_deep.jsonl")
+    run = OmegaConf.to_container(deep.rollout.agent, resolve=True)
+    assert {key: agent[key] for key in ("max_turns", "max_total_tokens")} == {"max_turns": 8, "max_total_tokens": 2560}
+    assert all(agent[key] == run[key] for key in agent if key in run)
+    toyworld = deep.prepare.toyworld
+    assert deep.paths.toy_root == "/c/toyworld/toy_deep" and deep.data.train_files[0].endswith("train_deep.jsonl")
+    assert toyworld.config.init_model.endswith("toy_warmstart/model") and toyworld.config.deep_demos > 0
+    assert toyworld.shipped_model.endswith("toy_deep_warmstart/model")
 
 
 def test_dspo_eval_lists_the_deep_benchmarks():

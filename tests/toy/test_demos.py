@@ -10,6 +10,7 @@ from dspo.agent.parsing import QWEN_CLOSE, parse_call
 from dspo.env import SearchTool
 from dspo.env.rewards import extract_answer, subem_reward
 from dspo.search.bm25 import BM25Index
+from dspo.toy.deep import deep_demo_questions
 from dspo.toy.demos import CORRECT, IMPERFECT_KINDS, ScriptedPolicy, choose_kind, evidence, make_script
 from dspo.toy.world import ToyWorldConfig, generate_world
 from dspo.types import Passage, QAItem
@@ -193,3 +194,32 @@ def test_hop2_imperfect_share_replaces_the_share_for_multi_hop_questions(setup) 
     for item in items * 10:
         shares[item.metadata["hops"]].append(make_script(item, ents, rng, 0.0, hop2_imperfect_share=0.5).kind)
     assert set(shares[1]) == {CORRECT} and 0.4 < sum(k != CORRECT for k in shares[2]) / len(shares[2]) < 0.6
+
+
+def test_deep_chains_take_one_search_per_hop_and_early_stops_fall_short_of_the_chain(setup) -> None:
+    """3-/4-hop demonstrations (dspo.toy.deep, the demo split's chains): the correct policy searches once per hop, a
+    landmark's designer included (its sentence says "It"); `wrong_hop` answers the entity reached after 1 to hops-1
+    searches, each count drawn somewhere."""
+    ents, index, _ = setup
+    _, corpus, _, _, _ = generate_world(CFG)
+    rows = deep_demo_questions(ents, corpus, CFG.seed)
+    items = [QAItem(q["id"], q["question"], q["golden_answers"], metadata=q["metadata"]) for q in rows]
+    assert {i.metadata["hops"] for i in items} == {3, 4} and any(i.metadata["entity_type"] == "landmark" for i in items)
+    stops = {3: set(), 4: set()}
+    for n, item in enumerate(items):
+        hops, chain = item.metadata["hops"], [*item.metadata["chain"], *item.golden_answers]
+        turns, answer = _play(ScriptedPolicy(item, ents, CORRECT, random.Random(n)), index, max_turns=6)
+        assert answer == item.golden_answers[0] and len(turns) == hops + 1, turns
+        turns, answer = _play(ScriptedPolicy(item, ents, "wrong_hop", random.Random(n)), index, max_turns=6)
+        searches = len(turns) - 1
+        assert 1 <= searches < hops and answer == chain[searches], turns
+        stops[hops].add(searches)
+    assert stops == {3: {1, 2}, 4: {1, 2, 3}}
+
+
+def test_evidence_of_a_landmarks_designer_quotes_the_sentence_before_it() -> None:
+    observation = "Doc 1 (Title: Kozan Tower) The Kozan Tower stands in Lipindale. It was designed by Jatun Soma."
+    assert evidence(observation, "Kozan Tower", "Jatun Soma") == (
+        "The Kozan Tower stands in Lipindale. It was designed by Jatun Soma."
+    )
+    assert evidence(observation, "Kozan Tower", "Sarunstan") is None

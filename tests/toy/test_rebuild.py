@@ -51,3 +51,15 @@ def test_rebuild_writes_outside_the_repository_unless_asked(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--output", "/tmp/rebuilt", "--update-shipped"])
     assert "--output and --update-shipped" in capsys.readouterr().err
+
+
+def test_the_deep_warm_start_ships_its_model_beside_the_default() -> None:
+    """experiment=toy_deep's warm start (a fine-tune of the shipped model, same tokenizer): --update-shipped writes
+    data/toy_deep_warmstart (model/ only), never data/toy_warmstart."""
+    from dspo.resources import data_dir
+    from dspo.toy.rebuild import parse_args
+
+    args = parse_args(["--update-shipped", "experiment=toy_deep"])
+    assert Path(args.output) == data_dir() / "toy_deep_warmstart" and args.parts == ("model",)
+    assert Path(parse_args(["experiment=toy_deep"]).output) == Path("outputs") / "toy_deep_warmstart"
+    assert parse_args([]).parts == ("tokenizer", "model")

@@ -17,6 +17,7 @@ from dspo.toy.rebuild import compose_train
 from dspo.toy.shipped import adopt_shipped
 
 SHIPPED = data_dir() / "toy_warmstart"
+DEEP_SHIPPED = data_dir() / "toy_deep_warmstart"  # experiment=toy_deep's: the shipped model fine-tuned on deep chains
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -32,6 +33,26 @@ def test_default_config_adopts_the_shipped_model_without_training(tmp_path, monk
     for part, manifest in (("model", warmstart.MANIFEST), ("tokenizer", "dspo_tokenizer.json")):
         assert (Path(model_dir).parent / part / manifest).read_text() == (SHIPPED / part / manifest).read_text()
     assert Path(world.extra["val_2hop"]).is_file()
+
+
+def test_toy_deep_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
+    """experiment=toy_deep adopts data/toy_deep_warmstart/model and the default's tokenizer: no ~10 min build."""
+
+    def no_sft(*args, **kwargs):
+        raise AssertionError(
+            "experiment=toy_deep no longer matches data/toy_deep_warmstart: run "
+            "python -m dspo.toy.rebuild --update-shipped -- experiment=toy_deep"
+        )
+
+    monkeypatch.setattr(warmstart, "train_sft", no_sft)
+    cfg = compose_train(["experiment=toy_deep", f"paths.toy_root={tmp_path / 'toy'}"])
+    world, model_dir = instantiate(cfg.prepare.toyworld)
+    shipped = (DEEP_SHIPPED / "model" / warmstart.MANIFEST).read_text()
+    assert (Path(model_dir) / warmstart.MANIFEST).read_text() == shipped
+    tokenizer = Path(model_dir).parent / "tokenizer" / "dspo_tokenizer.json"
+    assert tokenizer.read_text() == (SHIPPED / "tokenizer" / "dspo_tokenizer.json").read_text()
+    assert not (DEEP_SHIPPED / "tokenizer").exists()  # the default's, not a copy
+    assert Path(world.extra["demo_deep"]).is_file()
 
 
 def test_adoption_requires_a_matching_manifest(tmp_path) -> None:
@@ -81,3 +102,13 @@ def test_rebuild_scores_like_the_shipped_model(tmp_path) -> None:
     for measure in ("train_sampled", "val_greedy"):
         for hops in ("1hop", "2hop"):
             assert abs(rebuilt[measure][hops] - shipped[measure][hops]) <= 0.1, (measure, hops, rebuilt, shipped)
+
+
+def test_shipped_deep_report_leaves_rl_signal_on_three_and_four_hops() -> None:
+    """experiment=toy_deep's warm start, sampled at the RL temperature, completes some 3- and 4-hop chains (mixed
+    groups for the filter to keep: the shipped one, greedy, answered none) and keeps what the default could do on
+    1-hop questions (greedy validation 0.80 there)."""
+    report = json.loads((DEEP_SHIPPED / "report.json").read_text())
+    for hops in ("3hop", "4hop"):
+        assert 0 < report["train_sampled"][hops] < 0.5 and report["train_mixed_groups"][hops] >= 0.1, (hops, report)
+    assert report["val_greedy"]["1hop"] >= 0.75 and report["val_greedy"]["3hop"] > 0, report
