@@ -10,6 +10,8 @@
         --figure docs/toy_deep.png                    # the same from the default's shipped warm start (the "before")
     python bench/environments.py --run --setups tight_end tight_compact --seeds 0 \
         --out bench/results/compaction_learning.json --figure docs/compaction.png  # overflow end vs compact (issue 43)
+    python bench/environments.py --run --setups deep_k1 deep_k1_partial --out bench/results/partial_rollouts.json \
+        --figure docs/partial_rollouts.png            # one round ahead, with and without partial rollouts (issue 43)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
 A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
@@ -63,6 +65,10 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     # responses are compacted into one-line notes (rollout.agent.overflow; docs/training.md#long-episodes-...)
     "tight_end": [*TIGHT, "rollout.agent.overflow=end"],
     "tight_compact": [*TIGHT, "rollout.agent.overflow=compact"],
+    # experiment=toy_deep one round ahead (the engine in its own process), with and without partial rollouts: rounds
+    # that stop once enough groups finished and carry the rest (docs/training.md#partial-rollouts)
+    "deep_k1": ["experiment=toy_deep", "rollout.max_staleness=1"],
+    "deep_k1_partial": ["experiment=toy_deep", "rollout.max_staleness=1", "rollout.partial_rollouts=true"],
 }
 DEEP_SETUPS = ["deep", "deep_shipped_warmstart"]
 EXAMPLES = ROOT / "docs" / "examples"  # on PYTHONPATH for every run: env=agent's function lives there
@@ -75,6 +81,11 @@ SIGNALS = (
     "rollout/tool/search/noise_probability",
     "rollout/truncated_frac",
     "rollout/compactions",
+    "rollout/time_s",
+    "rollout/trainer_wait_s",
+    "rollout/partial_share",
+    "rollout/carried_groups",
+    "rollout/token_staleness_mean",
 )
 WINDOW = 10  # rounds averaged at the start and at the end of a run
 PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.png
@@ -94,7 +105,15 @@ TIGHT_PANELS = [  # end against compact at a tight budget, docs/compaction.png
     ("reward of the sampled rollouts", "rollout/sampled_reward_mean", ["tight_end", "tight_compact"]),
     ("compactions per round", "rollout/compactions", ["tight_compact"]),
 ]
-COLORS = {"tight_end": "C3", "tight_compact": "C0"}  # the two arms apart (the cycle's tenth and eleventh look alike)
+PARTIAL_SETUPS = ["deep_k1", "deep_k1_partial"]
+PARTIAL_PANELS = [  # rollout.max_staleness=1 with and without partial rollouts, docs/partial_rollouts.png
+    ("3-hop validation subEM", "val/toy_3hop/subem", PARTIAL_SETUPS),
+    ("engine time per round (s)", "rollout/time_s", PARTIAL_SETUPS),
+    ("trainer wait per round (s)", "rollout/trainer_wait_s", PARTIAL_SETUPS),
+    ("trajectories finished on newer weights", "rollout/partial_share", ["deep_k1_partial"]),
+]
+# each study's two arms apart (the cycle's tenth and eleventh look alike)
+COLORS = {"tight_end": "C3", "tight_compact": "C0", "deep_k1": "C3", "deep_k1_partial": "C0"}
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
     ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),
     ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "agent"]),
@@ -135,6 +154,12 @@ def run_numbers(run) -> dict[str, float]:
         if test is not None and len(test):
             numbers[f"test_{kind}"] = float(test.iloc[-1])
     numbers.update(test_episodes(run.dir))
+    numbers.update(timeline_numbers(run.dir))
+    for tag, series in by_tag.items():  # partial rollouts: each token age's share, over the run
+        if tag.startswith("rollout/token_staleness/"):
+            numbers[f"token_age_{tag.rsplit('/', 1)[1]}_share"] = float(series.mean())
+    if "rollout/carried_dropped" in by_tag:
+        numbers["carried_dropped_total"] = float(by_tag["rollout/carried_dropped"].sum())
     if "rollout/truncated_share" in by_tag:  # logged since the deep warm start's study
         numbers["truncated_start"], numbers["truncated_end"] = window_means(by_tag["rollout/truncated_share"])
     calls = [series for tag, series in by_tag.items() if tag.startswith("rollout/calls/")]
@@ -145,6 +170,21 @@ def run_numbers(run) -> dict[str, float]:
             start, end = window_means(by_tag[tag])
             numbers[f"{tag}@start"], numbers[f"{tag}@end"] = start, end
     return numbers
+
+
+def timeline_numbers(run_dir: Path) -> dict[str, float]:
+    """From the run's timeline.jsonl (rollout.max_staleness >= 1): wall seconds from the first round's wait to the
+    last round's end, and the trainer's total wait for rounds."""
+    path = run_dir / "timeline.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return {}
+    return {
+        "train_wall_s": rows[-1]["trained"] - rows[0]["waiting"],
+        "trainer_wait_total_s": sum(max(row["taken"] - row["waiting"], 0.0) for row in rows),
+    }
 
 
 def test_episodes(run_dir: Path) -> dict[str, float]:
@@ -227,6 +267,8 @@ def plot(root: Path, result: dict, path: Path) -> None:
         panels = DEEP_PANELS
     elif set(result) <= {"tight_end", "tight_compact"}:
         panels = TIGHT_PANELS
+    elif set(result) <= set(PARTIAL_SETUPS):
+        panels = PARTIAL_PANELS
     else:
         panels = PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))

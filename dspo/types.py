@@ -98,8 +98,11 @@ class Trajectory:
     num_invalid_calls: int = 0
     tool_calls: dict[str, int] = field(default_factory=dict)
     truncated: bool = False  # hit the total length cap or max_turns without an answer
-    policy_version: int = 0  # number of completed training rounds when this was generated
+    policy_version: int = 0  # completed training rounds of the weights that generated its first (oldest) tokens
     segments: list[Segment] = field(default_factory=list)  # earlier contexts, trained with this one's advantage
+    # [R] the policy version of each response token, when more than one generated them (rollout.partial_rollouts:
+    # the episode was carried into a later round); empty: every token is policy_version's
+    token_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.outcome is None:
@@ -110,6 +113,21 @@ class Trajectory:
                 f"Trajectory lengths disagree: response_ids={n}, response_mask={len(self.response_mask)}, "
                 f"engine_logprobs={len(self.engine_logprobs)}"
             )
+        if self.token_versions and len(self.token_versions) != n:
+            raise ValueError(
+                f"Trajectory lengths disagree: response_ids={n}, token_versions={len(self.token_versions)}"
+            )
+
+    def trained_token_versions(self) -> list[int]:
+        """The policy version of each trained (mask-1) token, segments included."""
+        own = [
+            version
+            for version, trained in zip(
+                self.token_versions or [self.policy_version] * len(self.response_ids), self.response_mask
+            )
+            if trained
+        ]
+        return own + [self.policy_version for s in self.segments for trained in s.response_mask if trained]
 
     @property
     def num_generated_tokens(self) -> int:
@@ -130,6 +148,7 @@ class Trajectory:
                 engine_logprobs=s.engine_logprobs,
                 step_rewards=[],
                 turn_spans=[],
+                token_versions=[],  # compaction is not combined with partial rollouts (RolloutCallback refuses it)
             )
             for s in self.segments
         ]

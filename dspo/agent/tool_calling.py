@@ -24,8 +24,6 @@ sample per context (`dspo.agent.compaction`).
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from dspo.agent import compaction, parsing
@@ -38,50 +36,20 @@ from dspo.agent.accounting import (  # noqa: F401  ToolFailureError, run_with_ti
     run_with_timeout,
 )
 from dspo.agent.config import AgentConfig
+from dspo.agent.episode import Episode
+from dspo.agent.partial import CarriedGroup, PartialRollout, StopFn
 from dspo.agent.prompts import ToolTurnTemplate, build_messages, render_prompt
 from dspo.agent.protocol import AgentRollout
 from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, TurnRecord
 from dspo.env.tools import CallContext
-from dspo.types import Generation, QAItem, Segment, Trajectory
+from dspo.types import Generation, QAItem, RolloutGroup, Segment, Trajectory
 
 ANSWER_CLOSE = "</answer>"
 TAG_FORMATS = ("qwen", "searchr1")
 LAST_TURN_NOTE = "\n(You have one turn left: give your final answer now.)"
-
-
-@dataclass
-class _Episode:
-    """Mutable state of one trajectory while it is being rolled out."""
-
-    item: QAItem
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    model_text: list[str] = field(default_factory=list)
-    turns: list[TurnRecord] = field(default_factory=list)
-    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # response positions of each model turn
-    tool_calls: Counter = field(default_factory=Counter)  # valid calls per tool
-    invalid: Counter = field(default_factory=Counter)  # (tool, kind) -> count
-    tool_errors: Counter = field(default_factory=Counter)  # tool -> count
-    done: bool = False
-    truncated: bool = False
-    observation: str | None = None  # pending tool message for this turn
-    pending: parsing.ParsedCall | None = None  # a valid call, to run with the turn's batch
-    spliced: list[compaction.Spliced] = field(default_factory=list)  # tool responses in the context (overflow=compact)
-    segments: list[Segment] = field(default_factory=list)  # contexts closed by a compaction
-    compactions: int = 0
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
-        self.response_ids.extend(ids)
-        self.mask.extend([mask] * len(ids))
-        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+_Episode = Episode  # its name before dspo.agent.episode
 
 
 class ToolCallingAgent:
@@ -165,49 +133,120 @@ class ToolCallingAgent:
         call's statistics."""
         start = time.perf_counter()
         timers = {"generation_s": 0.0, "tool_s": 0.0, "generated_tokens": 0}
+        self._reset_engine()
+        episodes = [ep for item in items for ep in self._new_episodes(item, group_size, policy_version)]
+        self._run_turns(episodes, greedy, seed, timers)
+        check_tool_errors(self.env, episodes)
+        trajectories = self._finish(episodes)
+        stats = self._stats(trajectories, episodes, timers, start)
+        return AgentRollout(grouped(items, trajectories, group_size), stats)
+
+    def rollout_partial(
+        self,
+        carried: list[CarriedGroup],
+        items: list[tuple[int, QAItem]],
+        group_size: int,
+        policy_version: int,
+        seed: int | None,
+        stop: StopFn,
+    ) -> PartialRollout:
+        """A resumable call (`rollout.partial_rollouts`, `dspo.agent.partial`): the `carried` groups continue, on
+        the weights of `policy_version`, beside `group_size` new episodes per (prompt index, item); after each turn
+        the groups that finished are scored and passed to `stop`, which may end the call there."""
+        start = time.perf_counter()
+        timers = {"generation_s": 0.0, "tool_s": 0.0, "generated_tokens": 0}
+        if not carried:
+            self._reset_engine()
+        for group in carried:
+            for ep in group.episodes:
+                ep.version = policy_version
+        fresh = [
+            CarriedGroup(item, index, self._new_episodes(item, group_size, policy_version), policy_version)
+            for index, item in items
+        ]
+        running, ended = [*carried, *fresh], []
+        finished: list[RolloutGroup] = []
+
+        def after_turn() -> bool:
+            nonlocal running
+            now = [group for group in running if group.done]
+            if not now:
+                return False
+            running = [group for group in running if not group.done]
+            ended.extend(now)
+            scored = self._finish([ep for group in now for ep in group.episodes])
+            done = [
+                RolloutGroup(group.item, scored[i * group_size : (i + 1) * group_size], group.prompt_index)
+                for i, group in enumerate(now)
+            ]
+            finished.extend(done)
+            return stop(done)
+
+        self._run_turns([ep for group in running for ep in group.episodes], False, seed, timers, after_turn)
+        episodes = [ep for group in ended for ep in group.episodes]
+        check_tool_errors(self.env, episodes)
+        trajectories = [t for group in finished for t in group.trajectories]
+        return PartialRollout(finished, running, self._stats(trajectories, episodes, timers, start))
+
+    def _reset_engine(self) -> None:
         reset = getattr(self.engine, "reset_episodes", None)
         if reset is not None:
             reset()
-        episodes = []
-        for item in items:
-            prompt = self.first_prompt(item)
-            episodes.extend(_Episode(item=item, prompt_ids=list(prompt)) for _ in range(group_size))
-        for turn in range(self.config.max_turns):
+
+    def _new_episodes(self, item: QAItem, group_size: int, policy_version: int) -> list[Episode]:
+        prompt = self.first_prompt(item)
+        return [Episode(item=item, prompt_ids=list(prompt), version=policy_version) for _ in range(group_size)]
+
+    def _run_turns(self, episodes: list[Episode], greedy: bool, seed: int | None, timers: dict, after_turn=None):
+        """Turn by turn until every episode ended (or `after_turn()` says stop); each episode at its own turn (a
+        carried one is further along)."""
+        for step in range(self.config.max_turns):
             live = [ep for ep in episodes if not ep.done]
             if not live:
                 break
-            self._generate_turn(live, turn, greedy, seed, timers)
-            self._run_tools(live, episodes, turn, timers)
+            self._generate_turn(live, step, greedy, seed, timers)
+            self._run_tools(live, episodes, timers)
             for ep in live:
                 if ep.observation is not None:
-                    self._append_observation(ep, turn)
-        check_tool_errors(self.env, episodes)
-        trajectories = self._finish(episodes, policy_version)
+                    self._append_observation(ep, ep.turn - 1)
+                if not ep.done and ep.turn >= self.config.max_turns:
+                    ep.done = ep.truncated = True  # out of turns without an answer
+            if after_turn is not None and after_turn():
+                return
+
+    def _stats(self, trajectories: list[Trajectory], episodes: list[Episode], timers: dict, start: float) -> dict:
         stats = rollout_stats(self.tools, trajectories, episodes, timers, time.perf_counter() - start)
         if self.config.overflow == "compact":
             stats["compactions"] = float(sum(ep.compactions for ep in episodes))
             stats["samples_per_episode"] = sum(1 + len(t.segments) for t in trajectories) / max(len(trajectories), 1)
-        return AgentRollout(grouped(items, trajectories, group_size), stats)
+        return stats
 
-    def _generate_turn(self, live: list[_Episode], turn: int, greedy: bool, seed: int | None, timers: dict) -> None:
+    def _generate_turn(self, live: list[Episode], step: int, greedy: bool, seed: int | None, timers: dict) -> None:
+        """One model turn for every live episode: one engine call per set of stop strings (one, by default)."""
         cfg = self.config
-        sampling = SamplingConfig(
-            temperature=0.0 if greedy else cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens_per_turn,
-            stop=self.stop_strings(turn),
-            seed=None if seed is None else seed + 1_000_003 * turn,
-        )
-        tic = time.perf_counter()
-        generations = self.engine.generate([ep.prompt_ids + ep.response_ids for ep in live], sampling)
-        timers["generation_s"] += time.perf_counter() - tic
-        if len(generations) != len(live):
-            raise RuntimeError(f"{type(self.engine).__name__}.generate returned {len(generations)} for {len(live)}")
-        for ep, gen in zip(live, generations):
-            timers["generated_tokens"] += len(gen.token_ids)
-            self._take_turn(ep, gen, turn)
+        batches: dict[tuple[str, ...], list[Episode]] = {}
+        for ep in live:
+            batches.setdefault(tuple(self.stop_strings(ep.turn)), []).append(ep)
+        for stop, batch in batches.items():
+            sampling = SamplingConfig(
+                temperature=0.0 if greedy else cfg.temperature,
+                top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens_per_turn,
+                stop=list(stop),
+                seed=None if seed is None else seed + 1_000_003 * step,
+            )
+            tic = time.perf_counter()
+            generations = self.engine.generate([ep.prompt_ids + ep.response_ids for ep in batch], sampling)
+            timers["generation_s"] += time.perf_counter() - tic
+            if len(generations) != len(batch):
+                raise RuntimeError(
+                    f"{type(self.engine).__name__}.generate returned {len(generations)} for {len(batch)}"
+                )
+            for ep, gen in zip(batch, generations):
+                timers["generated_tokens"] += len(gen.token_ids)
+                self._take_turn(ep, gen, ep.turn)
 
-    def _take_turn(self, ep: _Episode, gen: Generation, turn: int) -> None:
+    def _take_turn(self, ep: Episode, gen: Generation, turn: int) -> None:
         """Append the model's tokens (cut to the total length cap) and decide what the environment does next."""
         cfg = self.config
         ep.observation, ep.pending = None, None
@@ -230,7 +269,7 @@ class ToolCallingAgent:
             ep.observation = self.next_message(text, turn)
             ep.done = ep.observation is None
 
-    def _record_turn(self, ep: _Episode, ids: list[int], logprobs: list[float], text: str, start: int) -> None:
+    def _record_turn(self, ep: Episode, ids: list[int], logprobs: list[float], text: str, start: int) -> None:
         ep.append(ids, 1, logprobs)
         ep.model_text.append(text)
         ep.turns.append(TurnRecord(text=text))
@@ -244,7 +283,7 @@ class ToolCallingAgent:
             return next((close for close in self.call_closes if text.endswith(close)), None)
         return None
 
-    def _handle_call(self, ep: _Episode, text: str, turn: int, close: str) -> None:
+    def _handle_call(self, ep: Episode, text: str, turn: int, close: str) -> None:
         cfg, record = self.config, ep.turns[-1]
         if turn == cfg.max_turns - 1:
             tool = close[2:-1] if cfg.tag_format == "searchr1" else parsing.NO_TOOL
@@ -262,14 +301,14 @@ class ToolCallingAgent:
             record.invalid = call.error_kind
             ep.observation = call.error
 
-    def _run_tools(self, live: list[_Episode], episodes: list[_Episode], turn: int, timers: dict) -> None:
+    def _run_tools(self, live: list[Episode], episodes: list[Episode], timers: dict) -> None:
         """One batched `run` per tool for every valid call of this turn."""
         positions = {id(ep): i for i, ep in enumerate(episodes)}
         for name, tool in self.tools.items():
             pending = [ep for ep in live if ep.pending is not None and ep.pending.tool == name]
             if not pending:
                 continue
-            contexts = [CallContext(ep.item, turn, positions[id(ep)]) for ep in pending]
+            contexts = [CallContext(ep.item, ep.turn - 1, positions[id(ep)]) for ep in pending]
             tic = time.perf_counter()
             results = run_tool_batch(tool, [ep.pending.arguments for ep in pending], contexts)
             timers["tool_s"] += time.perf_counter() - tic
@@ -278,7 +317,7 @@ class ToolCallingAgent:
                 if result.error is not None:
                     ep.tool_errors[name] += 1
 
-    def _append_observation(self, ep: _Episode, turn: int) -> None:
+    def _append_observation(self, ep: Episode, turn: int) -> None:
         """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap (with
         `overflow: compact`, after making room for it and a whole next turn)."""
         cfg = self.config
@@ -296,7 +335,7 @@ class ToolCallingAgent:
         if cfg.overflow == "compact":
             ep.spliced.append(compaction.Spliced(start, start + len(obs_ids), self.compaction_note(ep.turns[-1])))
 
-    def _compact(self, ep: _Episode, excess: int, incoming: list[int]) -> None:
+    def _compact(self, ep: Episode, excess: int, incoming: list[int]) -> None:
         """Free `excess` tokens by replacing the oldest tool responses with their notes, closing the context so far as
         a segment (its masks as sampled); nothing happens when even that would not let `incoming` in."""
         if excess <= 0:
@@ -317,6 +356,7 @@ class ToolCallingAgent:
             ep.segments.append(Segment(list(ep.prompt_ids), ep.response_ids, ep.mask, ep.logprobs))
         moved = rewritten.moved
         ep.response_ids, ep.mask, ep.logprobs = rewritten.response_ids, rewritten.response_mask, rewritten.logprobs
+        ep.versions = [ep.version] * len(ep.response_ids)  # one version: compaction is refused with partial rollouts
         ep.turn_spans = [(moved(start), moved(end)) for start, end in ep.turn_spans]
         replaced = {id(obs) for obs in chosen}
         for obs in ep.spliced:
@@ -325,7 +365,7 @@ class ToolCallingAgent:
             obs.start, obs.end, obs.compacted = start, end, obs.compacted or id(obs) in replaced
         ep.compactions += 1
 
-    def _finish(self, episodes: list[_Episode], policy_version: int) -> list[Trajectory]:
+    def _finish(self, episodes: list[Episode]) -> list[Trajectory]:
         """Score every finished episode in one batch (the environment's reward) and build the trajectories."""
         reward = self.env.reward
         records = []
@@ -337,12 +377,9 @@ class ToolCallingAgent:
         results = reward.score(records)
         if len(results) != len(records):
             raise RuntimeError(f"{type(reward).__name__}.score returned {len(results)} results for {len(records)}")
-        return [
-            self._trajectory(ep, record, result, policy_version)
-            for ep, record, result in zip(episodes, records, results)
-        ]
+        return [self._trajectory(ep, record, result) for ep, record, result in zip(episodes, records, results)]
 
-    def _trajectory(self, ep: _Episode, record: EpisodeRecord, result, policy_version: int) -> Trajectory:
+    def _trajectory(self, ep: Episode, record: EpisodeRecord, result) -> Trajectory:
         steps = list(result.step_rewards)
         if steps and len(steps) != len(ep.turns):
             raise RuntimeError(
@@ -367,6 +404,7 @@ class ToolCallingAgent:
             num_invalid_calls=sum(ep.invalid.values()),
             tool_calls=dict(ep.tool_calls),
             truncated=ep.truncated,
-            policy_version=policy_version,
+            policy_version=min(ep.versions, default=ep.version),  # the oldest: what staleness is measured from
             segments=list(ep.segments),
+            token_versions=list(ep.versions) if ep.spans_versions() else [],
         )

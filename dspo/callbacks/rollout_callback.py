@@ -36,7 +36,7 @@ from dspo.record import write_record
 from dspo.rollout.link import TrainerLink
 from dspo.rollout.producer import RoundProducer
 from dspo.rollout.transfer import check_transfer
-from dspo.rollout.worker import WorkerSpec, check_staleness
+from dspo.rollout.worker import WorkerSpec, check_partial, check_staleness
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,10 @@ class RolloutCallback(pl.Callback):
     weight_transfer: with k >= 1, how the weights reach the engine process: `shared_memory`, `gloo` or `nccl`
         (`rollout.weight_transfer`; `dspo.rollout.transfer`).
     imports: the run's `imports=` (user plug-in modules), imported in the engine process as well (k >= 1).
+    partial_rollouts: with k >= 1, stop a round's generation once enough groups finished and carry the unfinished
+        ones into the next round, on newer weights (`rollout.partial_rollouts`; `dspo.agent.partial`).
+    max_token_age: with partial rollouts, the most rounds a trained token may be behind its round
+        (`rollout.max_token_age`; None: max_staleness + 1).
     """
 
     def __init__(
@@ -112,6 +116,8 @@ class RolloutCallback(pl.Callback):
         engine_devices: list | None = None,
         weight_transfer: str = "shared_memory",
         imports: list | tuple | None = None,
+        partial_rollouts: bool = False,
+        max_token_age: int | None = None,
     ) -> None:
         check_agent_settings(agent)  # a moved key fails here, at build time, not where the agent is first built
         sampling = agent_setting(agent, "temperature")
@@ -125,6 +131,12 @@ class RolloutCallback(pl.Callback):
         from dspo.env.spec import built
 
         max_staleness = check_staleness(max_staleness, engine_threads, engine)
+        max_token_age = check_partial(partial_rollouts, max_token_age, max_staleness)
+        if max_token_age is not None and agent_setting(agent, "overflow", "end") != "end":
+            raise ValueError(
+                "rollout.partial_rollouts=true with rollout.agent.overflow=compact: a carried episode's compacted "
+                "contexts are not tracked per policy version yet; use one of them"
+            )
         if not max_staleness:  # the agent runs here: built now, as Hydra did before (k >= 1: in the engine process)
             env = built(env)
         if isinstance(env, Environment):
@@ -144,6 +156,7 @@ class RolloutCallback(pl.Callback):
             eval_batch_size=eval_batch_size,
             weight_transfer=check_transfer(weight_transfer),
             imports=tuple(imports or ()),
+            max_token_age=max_token_age,
         )
         if not max_staleness and weight_transfer != "shared_memory":
             log.warning("rollout.weight_transfer=%s does nothing at rollout.max_staleness=0", weight_transfer)

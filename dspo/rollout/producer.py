@@ -220,6 +220,12 @@ class RoundProducer:
             log.warning("checkpoint was taken mid-round; resuming with a fresh round %d", state.completed)
         state.cursor, state.current = 0, None
         state.engine_version = -1  # the engine holds the initial weights: push the restored ones before sampling
+        if self.spec.max_token_age is not None:
+            log.warning(
+                "rollout.partial_rollouts: the episodes carried between rounds are not in checkpoints; the resumed "
+                "run starts round %d with none (their prompts are skipped, as the sampler had drawn them)",
+                state.completed,
+            )
         torch.set_rng_state(state_dict["torch_rng"])
         random.setstate(state_dict["python_rng"])
         state.keep_rate_estimate = state_dict.get("keep_rate_estimate")

@@ -8,6 +8,12 @@ small ones. Groups kept beyond B are dropped (they would be off-policy next roun
 
 Multi-process: each rank fills B / world_size groups; `all_done` (an all-reduce supplied by the caller) makes every
 rank keep sampling until all ranks are full, so every rank takes the same number of optimizer steps.
+
+Partial rollouts (`max_token_age` set: `rollout.partial_rollouts`, in the engine process only): an engine call stops
+after the turn in which enough of its groups finished and passed the filter; the groups still running are carried
+into the next call (of this round or the next), continued on the weights the engine holds then, and dropped once
+their oldest tokens are more than `max_token_age` rounds old (`dspo.agent.partial`). The in-flight groups of a call
+are what the over-sampling asks for, carried ones included.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from dspo.agent.partial import CarriedGroup, token_staleness
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.rounds import PromptSampler
 from dspo.types import RolloutGroup
@@ -62,11 +69,22 @@ class RoundSampler:
     agent: the `dspo.agent.Agent` that rolls prompts out (its `AgentRollout.stats` feed the round's statistics).
     spec: the algorithm (group size, B, filter, over-sampling bounds).
     rank, world_size: this rank's share is B / world_size groups.
+    max_token_age: with partial rollouts, the most rounds a carried group's oldest tokens may be behind the round
+        that trains them (None: every call runs its groups to the end).
     """
 
-    def __init__(self, agent, spec: AlgorithmConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, agent, spec: AlgorithmConfig, rank: int = 0, world_size: int = 1, max_token_age: int | None = None
+    ) -> None:
         spec.check_world_size(world_size)
-        self.agent, self.spec = agent, spec
+        if max_token_age is not None and not callable(getattr(agent, "rollout_partial", None)):
+            raise ValueError(
+                f"rollout.partial_rollouts=true: the agent {type(agent).__name__} cannot carry episodes between "
+                "calls (it has no rollout_partial; dspo.agent.tool_calling.ToolCallingAgent has). Set "
+                "rollout.partial_rollouts=false"
+            )
+        self.agent, self.spec, self.max_token_age = agent, spec, max_token_age
+        self.carried: list[CarriedGroup] = []  # groups still running when the last call stopped
         self.local_target = spec.batch_groups // world_size
         self.keep_filter = spec.group_filter
         # a filter that never drops a group needs no over-sampling: exactly the prompts that are missing
@@ -78,8 +96,12 @@ class RoundSampler:
         policy_version: int,
         seed: int,
         all_done: Callable[[bool], bool] = lambda done: done,
+        round_index: int | None = None,
     ) -> tuple[list[RolloutGroup], dict[str, float]]:
-        """Fill this rank's share of B mixed groups. Returns the groups and rollout statistics for logging."""
+        """Fill this rank's share of B mixed groups of round `round_index` (default: `policy_version`, the
+        synchronous round) sampled by the weights of `policy_version`. Returns the groups and rollout statistics."""
+        round_index = policy_version if round_index is None else round_index
+        dropped = 0
         kept: list[RolloutGroup] = []
         sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = 0
         reward_sum = 0.0
@@ -99,13 +121,20 @@ class RoundSampler:
             if missing <= 0:
                 continue  # this rank is full; it keeps answering the collective until every rank is
             n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / self.keep_rate_estimate))
-            drawn = sampler.take(n_prompts)
-            result = self.agent.rollout(
-                [item for _, item in drawn], self.spec.group_size, policy_version, seed=seed + calls
-            )
-            groups, stats = result.groups, result.stats
-            for group, (index, _) in zip(groups, drawn):
-                group.prompt_index = index
+            if self.max_token_age is None:
+                drawn = sampler.take(n_prompts)
+                result = self.agent.rollout(
+                    [item for _, item in drawn], self.spec.group_size, policy_version, seed=seed + calls
+                )
+                groups, stats = result.groups, result.stats
+                for group, (index, _) in zip(groups, drawn):
+                    group.prompt_index = index
+            else:
+                aged, aged_tokens = self._drop_aged(round_index)
+                dropped, tokens = dropped + aged, tokens + aged_tokens  # their tokens are wasted
+                groups, stats = self._partial_call(sampler, n_prompts, missing, policy_version, seed + calls)
+                if not groups:
+                    continue
             rewards = torch.stack([g.rewards for g in groups])  # [n, G] what the advantages use
             keep = self.keep_filter(torch.stack([g.outcomes for g in groups]))  # Eq. 9 tests the 0/1 outcomes
             for group, keep_it in zip(groups, keep.tolist()):
@@ -125,7 +154,9 @@ class RoundSampler:
             observed = float(keep.float().mean())
             self.keep_rate_estimate = max(0.05, 0.5 * self.keep_rate_estimate + 0.5 * observed)
         elapsed = time.perf_counter() - start
+        partial = {} if self.max_token_age is None else self._partial_stats(kept, round_index, dropped)
         return kept, {
+            **partial,
             "rollout/keep_rate": passed / max(sampled, 1),  # filter pass rate; surplus groups count as passed
             "rollout/groups_kept": float(len(kept)),
             "rollout/groups_sampled": float(sampled),
@@ -142,3 +173,46 @@ class RoundSampler:
             "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
             **details.result(),
         }
+
+    # ------------------------------------------------------------------------------------------ partial rollouts
+    def _drop_aged(self, round_index: int) -> tuple[int, int]:
+        """Drop the carried groups whose oldest tokens are more than max_token_age rounds behind `round_index`;
+        returns how many, and the model tokens they had."""
+        aged = [group for group in self.carried if group.age(round_index) > self.max_token_age]
+        self.carried = [group for group in self.carried if group.age(round_index) <= self.max_token_age]
+        return len(aged), sum(sum(ep.mask) for group in aged for ep in group.episodes)
+
+    def _partial_call(
+        self, sampler: PromptSampler, n_prompts: int, missing: int, policy_version: int, seed: int
+    ) -> tuple[list[RolloutGroup], dict]:
+        """One resumable call: the carried groups and new prompts up to `n_prompts` in flight, stopped after the turn
+        in which `missing` finished groups passed the filter."""
+        drawn = sampler.take(n_prompts - len(self.carried)) if n_prompts > len(self.carried) else []
+        need = missing
+
+        def enough(done: list[RolloutGroup]) -> bool:
+            nonlocal need
+            need -= int(self.keep_filter(torch.stack([g.outcomes for g in done])).sum())
+            return need <= 0
+
+        result = self.agent.rollout_partial(
+            self.carried, list(drawn), self.spec.group_size, policy_version, seed, enough
+        )
+        self.carried = list(result.carried)
+        return result.groups, result.stats
+
+    def _partial_stats(self, kept: list[RolloutGroup], round_index: int, dropped: int) -> dict[str, float]:
+        """rollout/partial_share (kept trajectories generated by more than one policy version), the staleness of
+        their trained tokens (mean, max, and the share at each age 0..max_token_age), carried and dropped groups."""
+        trajectories = [t for g in kept for t in g.trajectories]
+        ages = token_staleness(kept, round_index)
+        stats = {
+            "rollout/partial_share": sum(bool(t.token_versions) for t in trajectories) / max(len(trajectories), 1),
+            "rollout/carried_groups": float(len(self.carried)),
+            "rollout/carried_dropped": float(dropped),
+            "rollout/token_staleness_mean": sum(ages) / max(len(ages), 1),
+            "rollout/token_staleness_max": float(max(ages, default=0)),
+        }
+        for age in range(self.max_token_age + 1):
+            stats[f"rollout/token_staleness/{age}"] = ages.count(age) / max(len(ages), 1)
+        return stats

@@ -44,7 +44,7 @@ class EngineSide:
         self.commands, self.results, self.transfer = channels
         self.engine = spec.engine(model_path=spec.model.path)
         self.agent = build_agent(spec.agent, engine=self.engine, tokenizer=_tokenizer(spec), env=env)
-        self.round_sampler = RoundSampler(self.agent, spec.algorithm, spec.rank, spec.world_size)
+        self.round_sampler = RoundSampler(self.agent, spec.algorithm, spec.rank, spec.world_size, spec.max_token_age)
         if keep_rate is not None:
             self.round_sampler.keep_rate_estimate = float(keep_rate)
         self.loaded_round: int | None = None  # completed rounds of the weights in the engine (None: none pushed yet)
@@ -124,7 +124,7 @@ class EngineSide:
         started = time.time()
         fault_point("engine.generating")
         groups, stats = self.round_sampler.sample_round(
-            self.sampler, policy_version=self.loaded_round, seed=round_seed(self.spec.seed, r)
+            self.sampler, policy_version=self.loaded_round, seed=round_seed(self.spec.seed, r), round_index=r
         )
         end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.round_sampler.keep_rate_estimate}
         timing = {"idle_s": self.idle_s, "generation": (started, time.time())}

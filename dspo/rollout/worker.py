@@ -84,6 +84,9 @@ class WorkerSpec:
     tokenizer: Any = None  # the trainer's tokenizer, for the agent (None: the engine process loads `model`'s)
     weight_transfer: str = "shared_memory"  # rollout.weight_transfer (dspo.rollout.transfer)
     imports: tuple[str, ...] = ()  # the run's `imports=`: user modules imported in the engine process before building
+    # rollout.partial_rollouts: the most rounds a carried group's oldest tokens may be behind the round that trains
+    # them (rollout.max_token_age; None: partial rollouts off, every round runs its groups to the end)
+    max_token_age: int | None = None
 
 
 @dataclass
@@ -93,7 +96,7 @@ class SampledRound:
     index: int  # round r
     groups: list[RolloutGroup]  # [B / world] kept groups
     stats: dict[str, float]  # RoundSampler.sample_round's statistics
-    weights_round: int  # completed rounds of the weights that sampled it (= every trajectory's policy_version)
+    weights_round: int  # completed rounds of the weights that sampled it (every trajectory's newest tokens)
     end_state: dict[str, Any] = field(default_factory=dict)  # sampler + keep-rate prior after it: round r+1's start
     idle_s: float = 0.0  # time the engine process waited for weights before starting it
     generation: tuple[float, float] = (0.0, 0.0)  # time.time() when its generation started and ended
@@ -111,12 +114,51 @@ def _engine_dtype(engine: Any) -> torch.dtype | None:
 
 
 def staleness_stats(groups, round_index: int) -> dict[str, float]:
-    """rollout/staleness_{mean,max}: rounds between the weights that sampled each trajectory and the round it trains."""
+    """rollout/staleness_{mean,max}: rounds between the weights that sampled each trajectory (its oldest tokens, with
+    partial rollouts) and the round it trains."""
     ages = [round_index - t.policy_version for g in groups for t in g.trajectories]
     return {
         "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
         "rollout/staleness_max": float(max(ages, default=0)),
     }
+
+
+def check_round_bounds(sampled: SampledRound, max_staleness: int, max_token_age: int | None) -> None:
+    """The bounds a round is admitted under: its weights at most `max_staleness` rounds behind it, and every
+    trajectory's oldest tokens at most `max_token_age` (partial rollouts; else `max_staleness`)."""
+    index, staleness = sampled.index, sampled.index - sampled.weights_round
+    oldest = min((t.policy_version for g in sampled.groups for t in g.trajectories), default=sampled.weights_round)
+    age_bound = max_staleness if max_token_age is None else max_token_age
+    if not 0 <= staleness <= max_staleness or index - oldest > age_bound:
+        raise RuntimeError(
+            f"round {index} was sampled by the weights after {sampled.weights_round} rounds, its oldest tokens by "
+            f"those after {oldest}: outside rollout.max_staleness={max_staleness} / max token age {age_bound} (a bug "
+            "in dspo; please report it)"
+        )
+
+
+def check_partial(partial_rollouts: Any, max_token_age: Any, max_staleness: int) -> int | None:
+    """`rollout.partial_rollouts` and `rollout.max_token_age` checked: the age bound partial rollouts run under
+    (default max_staleness + 1: an episode may finish one round later), None when they are off."""
+    if not isinstance(partial_rollouts, bool):
+        raise ValueError(f"rollout.partial_rollouts={partial_rollouts!r}: use true or false")
+    if not partial_rollouts:
+        if max_token_age is not None:
+            raise ValueError("rollout.max_token_age is set but rollout.partial_rollouts=false: set both or neither")
+        return None
+    if max_staleness < 1:
+        raise ValueError(
+            "rollout.partial_rollouts=true needs rollout.max_staleness >= 1: at 0 every round is sampled by the newest "
+            "weights, so an episode cannot be carried into the next round (docs/training.md#partial-rollouts)"
+        )
+    age = max_staleness + 1 if max_token_age is None else max_token_age
+    if isinstance(age, bool) or not isinstance(age, int) or age <= max_staleness:
+        raise ValueError(
+            f"rollout.max_token_age={max_token_age!r}: a whole number of rounds above rollout.max_staleness="
+            f"{max_staleness} (a round's newest tokens are already up to max_staleness rounds old), or null for "
+            f"{max_staleness + 1}"
+        )
+    return age
 
 
 def check_staleness(max_staleness: Any, engine_threads: Any, engine: Any) -> int:
@@ -217,12 +259,7 @@ class EngineProcess:
                 )
             self._ready[message.sampled.index] = message.sampled
         sampled = self._ready.pop(index)
-        staleness = index - sampled.weights_round
-        if not 0 <= staleness <= self.spec.max_staleness:
-            raise RuntimeError(
-                f"round {index} was sampled by the weights after {sampled.weights_round} rounds: staleness {staleness} "
-                f"outside [0, rollout.max_staleness={self.spec.max_staleness}] (a bug in dspo; please report it)"
-            )
+        check_round_bounds(sampled, self.spec.max_staleness, self.spec.max_token_age)
         return sampled, time.perf_counter() - start
 
     def predict(self, items: list, version: int) -> list:

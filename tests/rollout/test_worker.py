@@ -61,11 +61,35 @@ def test_staleness_is_the_rounds_between_sampling_weights_and_the_round_trained(
         ({"max_staleness": 1.5}, "rollout.max_staleness=1.5"),
         ({"max_staleness": True}, "rollout.max_staleness=True"),
         ({"max_staleness": 1, "engine_threads": 0}, "rollout.engine_threads=0"),
+        ({"partial_rollouts": True}, "partial_rollouts=true needs rollout.max_staleness >= 1"),
+        ({"partial_rollouts": "yes", "max_staleness": 1}, "rollout.partial_rollouts='yes'"),
+        ({"max_staleness": 1, "max_token_age": 3}, "rollout.max_token_age is set but"),
+        ({"max_staleness": 2, "partial_rollouts": True, "max_token_age": 2}, "rollout.max_token_age=2"),
+        ({"max_staleness": 1, "partial_rollouts": True, "agent": {"overflow": "compact"}}, "overflow=compact"),
     ],
 )
 def test_bad_staleness_settings_are_refused_at_build_time(kwargs, message):
+    agent = kwargs.pop("agent", None)
     with pytest.raises(ValueError, match=message):
-        RolloutCallback(None, None, None, AlgorithmConfig(), ModelConfig(path="unused"), **kwargs)
+        RolloutCallback(None, agent, None, AlgorithmConfig(), ModelConfig(path="unused"), **kwargs)
+
+
+def test_partial_rollouts_default_to_one_round_more_than_max_staleness():
+    from dspo.rollout.worker import check_partial
+
+    assert check_partial(False, None, 1) is None
+    assert check_partial(True, None, 1) == 2 and check_partial(True, 4, 2) == 4
+
+
+def test_a_round_outside_its_bounds_is_refused():
+    from dspo.rollout.worker import SampledRound, check_round_bounds
+
+    carried = _group([1, 1])  # oldest tokens from the weights after 1 round
+    check_round_bounds(SampledRound(3, [carried], {}, weights_round=2), max_staleness=1, max_token_age=2)
+    with pytest.raises(RuntimeError, match="max token age 1"):  # without partial rollouts, max_staleness bounds both
+        check_round_bounds(SampledRound(3, [carried], {}, weights_round=2), max_staleness=1, max_token_age=None)
+    with pytest.raises(RuntimeError, match="rollout.max_staleness=1"):
+        check_round_bounds(SampledRound(3, [_group([1])], {}, weights_round=1), max_staleness=1, max_token_age=2)
 
 
 def test_an_engine_that_sleeps_during_the_update_cannot_run_ahead_of_it():
