@@ -11,6 +11,14 @@ at a 151k vocabulary those memory-bound passes cost more than the head's matmuls
 The gradient of logπ(t) with respect to the logits is onehot(t) - p, so the forward keeps p (the one `[k, V]` tensor
 autograd would keep too), and the backward scales it in place and runs the two matmuls. Heads that are not an
 `nn.Linear` take the autograd path (`_autograd_head_logprobs`), which is also the reference the tests compare with.
+
+Why a workspace (`HeadWorkspace`, CPU float32 only): each chunk needs two `[k, V]` float32 buffers (the logits, then
+the log-probabilities), 0.6 GB each at k = 1,000 and a 151k vocabulary. PyTorch's CPU allocator hands such sizes to
+malloc, which maps fresh pages for each one and unmaps them on free, so every chunk of every call paid the kernel's
+page faults and zeroing again (the update's lost time in issue 40's profile). The workspace keeps freed buffers for
+the next chunk: the matmul and the log-softmax write into them (`out=`, the same kernels as `F.linear` and
+`log_softmax`, so the results are bit-identical), and the buffer the backward keeps is returned when the backward has
+used it. CUDA's caching allocator already reuses memory, so GPUs take the plain path.
 """
 
 from __future__ import annotations
@@ -35,6 +43,63 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
+class HeadWorkspace:
+    """Free float32 CPU buffers for the head's `[k, V]` tensors, reused across chunks and calls (module docstring).
+    Holds at most `keep` buffers (2: a chunk's logits and log-probabilities), the largest ones."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.free: list[torch.Tensor] = []
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A `[rows, cols]` float32 CPU tensor: the smallest free buffer that holds it, else a new one."""
+        need = rows * cols
+        fitting = [i for i, b in enumerate(self.free) if b.numel() >= need]
+        if not fitting:
+            return torch.empty(rows, cols, dtype=torch.float32)
+        buffer = self.free.pop(min(fitting, key=lambda i: self.free[i].numel()))
+        return buffer[:need].view(rows, cols)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Return a tensor taken from `take` (its whole buffer) for reuse."""
+        root = tensor._base if tensor._base is not None else tensor  # the whole (contiguous) allocation
+        self.free.append(root.view(-1))
+        self.free.sort(key=torch.Tensor.numel, reverse=True)
+        del self.free[self.keep :]
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
+WORKSPACE = HeadWorkspace()
+
+
+def _pooled(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype) -> bool:
+    """Whether the head runs in the workspace: float32 on the CPU, outside autocast."""
+    tensors = [hidden, weight] + ([bias] if bias is not None else [])
+    return compute_dtype is None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _logits_and_log_probs(hidden, weight, bias, temperature: float, pooled: bool):
+    """logits [k, V] (float32; divided by the temperature) and their log-softmax [k, V], in workspace buffers when
+    `pooled` (the same kernels either way)."""
+    if pooled:
+        logits = WORKSPACE.take(hidden.shape[0], weight.shape[0])
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=logits)
+    else:
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [k, V]
+    if temperature != 1.0:
+        logits.div_(temperature)
+    if not pooled:
+        return logits, torch.log_softmax(logits, dim=-1)
+    log_probs = WORKSPACE.take(*logits.shape)
+    torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs)
+    return logits, log_probs
+
+
 class HeadLogprobs(torch.autograd.Function):
     """logπ(targets) under softmax((hidden @ weightᵀ + bias) / temperature) for one chunk of rows, in float32; the
     entropy too when asked (no gradient). Inputs: hidden [k, H], weight [V, H], bias [V] or None, targets [k].
@@ -48,10 +113,8 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, with_entropy: bool, for_backward: bool = True):
         ctx.compute_dtype = _autocast_dtype(hidden.device.type)
-        logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [k, V]
-        if temperature != 1.0:
-            logits.div_(temperature)
-        log_probs = torch.log_softmax(logits, dim=-1)
+        ctx.pooled = pooled = _pooled(hidden, weight, bias, ctx.compute_dtype)
+        logits, log_probs = _logits_and_log_probs(hidden, weight, bias, temperature, pooled)
         logprobs = log_probs.gather(1, targets[:, None]).squeeze(1)
         probs, entropy = None, logprobs.new_empty(0)
         if with_entropy:  # p goes into the logits' buffer: a fresh [k, V] tensor costs more than the exp (bench/README)
@@ -59,6 +122,10 @@ class HeadLogprobs(torch.autograd.Function):
             entropy = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)  # row dots, no [k, V] temporary
         elif for_backward:
             probs = log_probs.exp_()
+        if pooled:  # what the backward does not keep goes back now
+            for used in (logits, log_probs):
+                if not for_backward or used.data_ptr() != probs.data_ptr():
+                    WORKSPACE.give(used)
         del logits, log_probs
         if for_backward:  # (old / reference logprobs under no_grad keep nothing)
             ctx.save_for_backward(hidden, weight, probs, targets)
@@ -80,6 +147,8 @@ class HeadLogprobs(torch.autograd.Function):
         grad_hidden = (grad_logits @ weight.to(dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad_logits.t() @ hidden.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if ctx.pooled:  # p was scaled in place into the gradient, used above: its buffer is free
+            WORKSPACE.give(probs)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 

@@ -234,3 +234,45 @@ def test_a_mask_without_trained_tokens_still_backpropagates(model):
     got.sum().backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and (g == 0).all() for g in grads)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_workspace_gives_bit_identical_values_and_gradients_and_reuses_its_buffers(with_entropy, bias):
+    """The CPU workspace (`HeadWorkspace`) writes into reused buffers with the same kernels: values, entropy and every
+    gradient equal the unpooled path's bit for bit, over several chunks and calls, and its buffers come back."""
+    from dspo.models import logprobs as lp
+
+    torch.manual_seed(5)
+    head = torch.nn.Linear(16, 40, bias=bias)
+    hidden = torch.randn(7, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (7,))
+    upstream = torch.randn(7)
+
+    def run(pooled: bool):
+        original = lp._pooled
+        lp._pooled = lambda *args: pooled and original(*args)
+        try:
+            hidden.grad, head.weight.grad = None, None
+            chunks = [lp.HeadLogprobs.apply(hidden[i : i + 3], head.weight, head.bias, targets[i : i + 3], 0.9,
+                                            with_entropy) for i in range(0, 7, 3)]  # fmt: skip
+            logprobs = torch.cat([c[0] for c in chunks])
+            (logprobs * upstream).sum().backward()
+            with torch.no_grad():  # old / reference logprobs: nothing kept for a backward
+                again = lp.HeadLogprobs.apply(hidden, head.weight, head.bias, targets, 0.9, with_entropy, False)[0]
+            return logprobs.detach(), torch.cat([c[1] for c in chunks]), again, hidden.grad, head.weight.grad
+        finally:
+            lp._pooled = original
+
+    lp.WORKSPACE.clear()
+    plain = run(False)
+    assert lp.WORKSPACE.free == []
+    for _ in range(2):  # the second call runs on the first one's buffers
+        pooled = run(True)
+        for a, b in zip(pooled, plain, strict=True):
+            assert torch.equal(a, b)
+    kept = {b.data_ptr() for b in lp.WORKSPACE.free}
+    assert len(kept) == 2 and all(b.numel() >= 7 * 40 for b in lp.WORKSPACE.free)
+    run(True)
+    assert {b.data_ptr() for b in lp.WORKSPACE.free} == kept  # reused, not reallocated
+    lp.WORKSPACE.clear()
