@@ -55,8 +55,8 @@ class HeadWorkspace:
         """A `[rows, cols]` float32 CPU tensor: the smallest free buffer that holds it, else a new one."""
         need = rows * cols
         fitting = [i for i, b in enumerate(self.free) if b.numel() >= need]
-        if not fitting:
-            return torch.empty(rows, cols, dtype=torch.float32)
+        if not fitting:  # room for 512 rows more: a slightly longer batch later reuses it rather than faulting anew
+            return torch.empty((rows + 512) * cols, dtype=torch.float32)[:need].view(rows, cols)
         buffer = self.free.pop(min(fitting, key=lambda i: self.free[i].numel()))
         return buffer[:need].view(rows, cols)
 

@@ -5,7 +5,9 @@ engine, the agent and the group filter (`RoundSampler`) from a picklable `Worker
 and produces round after round into a queue while the trainer updates. Three rules keep it bounded and reproducible:
 
 - **One behaviour policy per round.** Weights are loaded only between rounds (as verl's one-step-off and fully-async
-  "finish on old weights" modes do), so the filter and DSPO's sequence ratio see one sampling policy per group.
+  "finish on old weights" modes do), so the filter and DSPO's sequence ratio see one sampling policy per group
+  (unless `rollout.partial_rollouts`: then an episode carried into the next round takes its later turns from newer
+  weights, each token keeping its version; `dspo.agent.partial`).
 - **Bounded at admission.** Round r starts only once the engine holds the weights after at least r - k completed
   rounds; the trainer re-checks the bound when it takes the round. Every trajectory carries `policy_version` = the
   completed rounds of the weights that sampled it, so staleness = r - policy_version (logged as rollout/staleness_*).

@@ -1,8 +1,8 @@
 """Each number the README, bench/README.md and the docs cite from a benchmark is in a results file under bench/results/,
 to the cited rounding, and every performance results file says what it was measured on (`bench/_outputs.py`
 `provenance`: a commit of this history, the source unchanged from it); issue 40. Learning results (environments,
-ablation, correction, async_learning, agent_learning, toy_deep, toy_deep_warm, compaction_learning) come from long
-training sweeps and are checked for the numbers only."""
+ablation, correction, async_learning, agent_learning, toy_deep, toy_deep_warm, compaction_learning, partial_rollouts)
+come from long training sweeps and are checked for the numbers only."""
 
 from __future__ import annotations
 
@@ -167,6 +167,24 @@ CITED: list[Cited] = [
      lambda d: d["deep"]["mean_ci95"]["val_toy_3hop_end"][0]),
     ("README.md", "3-hop validation 0.13 -> 0.34 ± 0.19, 4-hop 0.00 -> 0.05", "0.05", "toy_deep_warm.json",
      lambda d: d["deep"]["mean_ci95"]["val_toy_4hop_end"][0]),
+    ("docs/training.md", "| 2.21 → 5.85 s | 2.17 → **4.03 s** |", "5.85", "partial_rollouts.json",
+     lambda d: d["deep_k1"]["mean_ci95"]["rollout/time_s@end"][0]),
+    ("docs/training.md", "| 2.21 → 5.85 s | 2.17 → **4.03 s** |", "4.03", "partial_rollouts.json",
+     lambda d: d["deep_k1_partial"]["mean_ci95"]["rollout/time_s@end"][0]),
+    ("docs/training.md", "| 1.28 ± 3.03 s | **0.31** ± 1.18 s |", "0.31", "partial_rollouts.json",
+     lambda d: d["deep_k1_partial"]["mean_ci95"]["rollout/trainer_wait_s@end"][0]),
+    ("docs/training.md", "| 0.13 → 0.243 ± 0.337 | 0.13 → **0.363** ± 0.180 |", "0.243", "partial_rollouts.json",
+     lambda d: d["deep_k1"]["mean_ci95"]["val_toy_3hop_end"][0]),
+    ("docs/training.md", "| 0.13 → 0.243 ± 0.337 | 0.13 → **0.363** ± 0.180 |", "0.363", "partial_rollouts.json",
+     lambda d: d["deep_k1_partial"]["mean_ci95"]["val_toy_3hop_end"][0]),
+    ("docs/training.md", "| 0.01 / 0.86 / 0.13 |", "0.13", "partial_rollouts.json",
+     lambda d: d["deep_k1_partial"]["mean_ci95"]["token_age_2_share"][0]),
+    ("README.md", "took 4.0 s instead of 5.8 s", "4.0", "partial_rollouts.json",
+     lambda d: d["deep_k1_partial"]["mean_ci95"]["rollout/time_s@end"][0]),
+    ("README.md", "the trainer waited 17 s instead of 27 s", "17", "partial_rollouts.json",
+     lambda d: d["deep_k1_partial"]["mean_ci95"]["trainer_wait_total_s"][0]),
+    ("README.md", "the trainer waited 17 s instead of 27 s", "27", "partial_rollouts.json",
+     lambda d: d["deep_k1"]["mean_ci95"]["trainer_wait_total_s"][0]),
 ]  # fmt: skip
 
 
@@ -181,7 +199,7 @@ def test_cited_number_is_in_its_results_file(doc, text, number, results, figure)
 
 def test_every_cited_performance_file_is_stamped() -> None:
     learning = {"correction.json", "agent_learning.json", "toy_deep.json", "toy_deep_warm.json"}
-    learning.add("compaction_learning.json")
+    learning.update({"compaction_learning.json", "partial_rollouts.json"})
     cited = {c[3] for c in CITED} - learning
     assert cited <= set(STAMPS), f"performance results cited but not stamped: {sorted(cited - set(STAMPS))}"
 
