@@ -18,7 +18,10 @@ malloc, which maps fresh pages for each one and unmaps them on free, so every ch
 page faults and zeroing again (the update's lost time in issue 40's profile). The workspace keeps freed buffers for
 the next chunk: the matmul and the log-softmax write into them (`out=`, the same kernels as `F.linear` and
 `log_softmax`, so the results are bit-identical), and the buffer the backward keeps is returned when the backward has
-used it. CUDA's caching allocator already reuses memory, so GPUs take the plain path.
+used it. New buffers get 512 rows of headroom, so a slightly longer batch reuses them too. Between steps the workspace
+holds at most two buffers, `(rows + 512) x V` floats each, rows <= `algorithm.logprob_chunk_size` (the memory the
+step's peak needed anyway; `WORKSPACE.clear()` frees them). CUDA's caching allocator already reuses memory, so GPUs
+take the plain path.
 """
 
 from __future__ import annotations

@@ -271,8 +271,15 @@ def test_the_workspace_gives_bit_identical_values_and_gradients_and_reuses_its_b
         pooled = run(True)
         for a, b in zip(pooled, plain, strict=True):
             assert torch.equal(a, b)
+    lp.WORKSPACE.clear()
+
+    def one_micro_batch():  # its forward and backward, as a training step runs them
+        logprobs, _ = lp.HeadLogprobs.apply(hidden, head.weight, head.bias, targets, 0.9, with_entropy)
+        (logprobs * upstream).sum().backward()
+
+    one_micro_batch()
     kept = {b.data_ptr() for b in lp.WORKSPACE.free}
     assert len(kept) == 2 and all(b.numel() >= 7 * 40 for b in lp.WORKSPACE.free)
-    run(True)
+    one_micro_batch()
     assert {b.data_ptr() for b in lp.WORKSPACE.free} == kept  # reused, not reallocated
     lp.WORKSPACE.clear()
