@@ -49,7 +49,6 @@ from dspo.types import Generation, QAItem, RolloutGroup, Segment, Trajectory
 ANSWER_CLOSE = "</answer>"
 TAG_FORMATS = ("qwen", "searchr1")
 LAST_TURN_NOTE = "\n(You have one turn left: give your final answer now.)"
-_Episode = Episode  # its name before dspo.agent.episode
 
 
 class ToolCallingAgent:

@@ -97,7 +97,7 @@ def test_engine_logprobs_align_with_trainer_logprobs_on_a_multi_turn_layout(tmp_
     for question in ("Who wrote Hamlet, the play?", "Capital of France?"):
         prompt = tokenizer.encode(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
         ids, mask, logprobs = [], [], []
-        for turn in range(2):  # appended exactly as the agent's _Episode.append does
+        for turn in range(2):  # appended exactly as the agent's Episode.append does
             (gen,) = engine.generate([prompt + ids], sampling)
             ids, mask, logprobs = ids + gen.token_ids, mask + [1] * len(gen.token_ids), logprobs + gen.logprobs
             if turn == 0:
