@@ -196,9 +196,13 @@ class RoundClock(pl.Callback):
         self.last_end = now
 
 
-def top_ops(profiler: Any, rows: int) -> list[dict[str, Any]]:
-    """The operators with the most self CPU time over the whole run (all steps, warm-up included)."""
-    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+def top_ops(profiler: Any, rows: int, by_shape: bool = False) -> list[dict[str, Any]]:
+    """The operators with the most self CPU time over the whole run (all steps, warm-up included); `by_shape`: one
+    row per operator and input shapes (`shapes`), which tells the LM head's `[rows, vocab]` passes and the
+    `[vocab, hidden]` gradients apart from the engine's calls of the same operator."""
+    events = sorted(
+        profiler.key_averages(group_by_input_shape=by_shape), key=lambda e: e.self_cpu_time_total, reverse=True
+    )
     total = sum(e.self_cpu_time_total for e in events) or 1.0
     return [
         {
@@ -206,6 +210,7 @@ def top_ops(profiler: Any, rows: int) -> list[dict[str, Any]]:
             "calls": e.count,
             "self_cpu_s": e.self_cpu_time_total / 1e6,
             "share": e.self_cpu_time_total / total,
+            **({"shapes": str(e.input_shapes)} if by_shape else {}),
         }
         for e in events[:rows]
     ]
@@ -254,7 +259,7 @@ def main(spec_path: str, result_path: str) -> None:
     if spec.get("profile"):  # operator-level view (it slows every step down: phase times of such a run are not kept)
         import torch
 
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
         profiler.__enter__()
     try:
         trainer.fit(module, datamodule=datamodule)
@@ -275,6 +280,7 @@ def main(spec_path: str, result_path: str) -> None:
     }
     if profiler is not None:
         result["top_ops"] = top_ops(profiler, spec.get("profile_rows", 20))
+        result["top_ops_by_shape"] = top_ops(profiler, spec.get("profile_rows", 20), by_shape=True)
     Path(result_path).write_text(json.dumps(result, indent=1))
 
 

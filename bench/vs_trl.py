@@ -336,6 +336,10 @@ def profile(args: argparse.Namespace, work: Path, model: str, measured: dict) ->
     )
     for op in result.get("top_ops", []):
         print(f"  {op['op'][:48]:48} {op['calls']:8d} calls {op['self_cpu_s']:8.2f} s {op['share']:6.1%}")
+    print("\nthe same by input shapes:")
+    for op in result.get("top_ops_by_shape", []):
+        head = f"  {op['op'][:32]:32} {op['calls']:6d} calls {op['self_cpu_s']:7.2f} s {op['share']:6.1%}"
+        print(f"{head}  {op['shapes']}")
     out = args.out.with_name("profile_dspo_step.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     from _dspo_side import PHASES
@@ -343,7 +347,14 @@ def profile(args: argparse.Namespace, work: Path, model: str, measured: dict) ->
     record = {"measured": measured, "config": vars_json(args), "phases": phases, "phase_seams": PHASES, **result}
     out.write_text(json.dumps(finite(record), indent=1) + "\n")
     print(f"\nwrote {out}")
-    require_measured("vs_trl", {"profile.phases": phases, "profile.top_ops": result.get("top_ops")})
+    require_measured(
+        "vs_trl",
+        {
+            "profile.phases": phases,
+            "profile.top_ops": result.get("top_ops"),
+            "profile.top_ops_by_shape": result.get("top_ops_by_shape"),
+        },
+    )
 
 
 def vars_json(args: argparse.Namespace) -> dict:

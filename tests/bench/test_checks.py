@@ -39,3 +39,20 @@ def test_vs_trl_fails_when_the_dspo_side_measured_nothing(bench) -> None:
     message = str(failed.value.code)
     assert "dspo_nofilter.measured_steps = None" in message and "dspo_step_s = nan" in message
     assert "no attribute 'policy_loss'" in message and "trl_step_s" not in message  # TRL skipped: not required
+
+
+def test_profile_rows_by_shape_tell_calls_of_one_operator_apart(bench) -> None:
+    """`--profile`'s operator table by input shapes: two sizes of one matmul are two rows, each with its shapes."""
+    import torch
+
+    side = bench("_dspo_side")
+    small, large = torch.ones(8, 8), torch.ones(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiler:
+        for _ in range(3):
+            torch.mm(small, small)
+        torch.mm(large, large)
+    plain = [row for row in side.top_ops(profiler, 50) if row["op"] == "aten::mm"]
+    shaped = [row for row in side.top_ops(profiler, 50, by_shape=True) if row["op"] == "aten::mm"]
+    assert len(plain) == 1 and plain[0]["calls"] == 4 and "shapes" not in plain[0]
+    assert sorted(row["calls"] for row in shaped) == [1, 3]
+    assert {row["shapes"] for row in shaped} == {"[[8, 8], [8, 8]]", "[[64, 64], [64, 64]]"}
