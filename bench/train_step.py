@@ -85,8 +85,9 @@ class PeakRSS:
 def toy_trajectories(workdir: Path, count: int, seed: int) -> tuple[list, object]:
     """`count` rendered toy-world trajectories (30 % imperfect) and the toy tokenizer."""
     from dspo.data.qa import load_qa
+    from dspo.toy.render import render_demonstrations, toy_retriever
     from dspo.toy.tokenizer import load_tokenizer
-    from dspo.toy.warmstart import build_toy_tokenizer, render_demonstrations, toy_retriever
+    from dspo.toy.warmstart import build_toy_tokenizer
     from dspo.toy.world import ToyWorldConfig, build_toyworld, load_world_meta
 
     world = build_toyworld(str(workdir / "world"), ToyWorldConfig(seed=seed))

@@ -5,9 +5,9 @@ downloaded here, and a random model cannot discover `<tool_call>` JSON by RL in 
 fine-tunes on scripted demonstrations (`dspo.toy.demos`), a configurable share of them imperfect so RL has room to
 improve. Real runs skip this and start RL from an instruct model.
 
-Demonstrations are rendered by the real agent loop (`ToolCallingAgent` + `ScriptedEngine` + BM25 over the toy
-corpus), so the SFT sequences are token for token what RL rollouts will look like (same template, same tool-turn
-wrappers, same observation format), and the loss covers exactly the mask-1 (model-generated) tokens.
+Demonstrations are rendered by the real agent loop (`dspo.toy.render`: `ToolCallingAgent` + `ScriptedEngine` + BM25
+over the toy corpus), so the SFT sequences are token for token what RL rollouts will look like (same template, same
+tool-turn wrappers, same observation format), and the loss covers exactly the mask-1 (model-generated) tokens.
 
 Two stages: name-recall drills (`recall_examples`, a curriculum of 1, 2, then 4 names per drill) first, because
 copying a name from a passage is the skill whole demonstrations fail to teach in the time budget; then the
@@ -30,26 +30,23 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from dspo.agent import AgentConfig, build_agent
 from dspo.agent.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
 from dspo.data.qa import load_qa
 from dspo.engines import HFEngine
-from dspo.engines.scripted import ScriptedEngine
-from dspo.search.bm25 import BM25Index, build_or_load_index
+from dspo.search.bm25 import BM25Index
 from dspo.search.corpus import load_corpus
 from dspo.toy.deep import DEEP_HOPS
 from dspo.toy.demos import IMPERFECT_KINDS, check_imperfect_kinds, make_script
 from dspo.toy.drills import recall_examples
 from dspo.toy.model import build_tiny_model
 from dspo.toy.renaming import fresh_names, renamed_world
+from dspo.toy.render import demo_agent, demo_environment, render_demonstrations, toy_retriever
 from dspo.toy.sft import demo_examples, train_sft
 from dspo.toy.shipped import adopt_shipped
 from dspo.toy.tokenizer import load_tokenizer, train_tokenizer
@@ -65,11 +62,6 @@ from dspo.toy.world import (
 from dspo.types import QAItem, Trajectory
 
 MANIFEST = "warmstart_manifest.json"
-# Tool responses as the agent inserts them: Qwen chat-template turns, or Search-R1 <information> blocks (the
-# Search-R1 instruction itself mentions the tags, so the block must be the inserted one, between blank lines).
-_OBSERVATION = re.compile(
-    r"<tool_response>\n(.*?)\n</tool_response>|\n\n<information>(.*?)</information>\n\n", re.DOTALL
-)
 
 
 @dataclass
@@ -216,71 +208,6 @@ def build_toy_tokenizer(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Demonstrations through the real agent loop
-
-
-def observations_in(prompt_text: str) -> list[str]:
-    """Tool responses so far in a decoded multi-turn prompt (as the chat template wraps them)."""
-    return [qwen or searchr1 for qwen, searchr1 in _OBSERVATION.findall(prompt_text)]
-
-
-def render_demonstrations(
-    items: list[QAItem],
-    world_meta: dict[str, dict],
-    tokenizer,
-    retriever,
-    imperfect_share: float,
-    seed: int = 0,
-    agent_overrides: dict | None = None,
-    early_stop_share: float = 0.0,
-    imperfect_kinds: Sequence[str] = IMPERFECT_KINDS,
-    hop2_imperfect_share: float | None = None,
-    sources: dict | None = None,
-    right_tool_share: float = 1.0,
-) -> list[Trajectory]:
-    """One scripted trajectory per item, rendered by `ToolCallingAgent` with a `ScriptedEngine` (exact ids and masks).
-    `retriever`: a Retriever (the default search environment) or a `dspo.env.Environment` (e.g. two sources')."""
-    rng = random.Random(seed)
-    tag_format = (agent_overrides or {}).get("tag_format", "qwen")
-    scripts = [
-        make_script(
-            item,
-            world_meta,
-            rng,
-            imperfect_share,
-            tag_format,
-            early_stop_share,
-            imperfect_kinds,
-            hop2_imperfect_share,
-            sources,
-            right_tool_share,
-        )  # fmt: skip
-        for item in items
-    ]
-
-    def script(prompt_text: str, turn: int, index: int) -> str:
-        return scripts[index](observations_in(prompt_text))
-
-    engine = ScriptedEngine(tokenizer, script)
-    groups = demo_agent(engine, tokenizer, retriever, agent_overrides).rollout(items, group_size=1, policy_version=0)
-    return [group.trajectories[0] for group in groups.groups]
-
-
-SEARCH_LIMITS = ("topk", "max_queries_per_call", "max_query_chars")
-
-
-def demo_agent(engine, tokenizer, retriever, settings: dict | None):
-    """The tool-calling agent of `WarmStartConfig.agent`'s settings: the episode's limits go to the agent, the search
-    limits and the answer guard to the default environment over `retriever` (an `Environment` is taken as it is)."""
-    from dspo.env import Environment
-
-    limits = dict(settings or {})
-    search = {key: limits.pop(key) for key in (*SEARCH_LIMITS, "max_answer_words") if key in limits}
-    env = retriever if isinstance(retriever, Environment) else Environment.search(retriever, **search)
-    return build_agent(AgentConfig(**limits), engine=engine, tokenizer=tokenizer, env=env)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Entry points
 
 
@@ -338,16 +265,17 @@ def warm_start(
     passages = load_corpus(world.corpus)
 
     def render(subset: list[QAItem], meta: dict[str, dict], index: BM25Index, seed: int) -> list[Trajectory]:
-        env = demo_environment(index, meta, config)
+        env = demo_environment(index, meta, config.sources, config.agent)
         return render_demonstrations(
             subset, meta, tokenizer, env, config.imperfect_share, seed, config.agent, config.early_stop_share,
             config.imperfect_kinds, config.hop2_imperfect_share, config.sources, config.right_tool_share,
         )  # fmt: skip
 
-    demos = render(items, world_meta, toy_retriever(world), config.seed)
+    index = toy_retriever(world)
+    demos = render(items, world_meta, index, config.seed)
     deep_items = deep_demo_items(world, config.deep_demos)
     if deep_items:  # a seed of their own: the 1-/2-hop demonstrations above and their copies stay as they were
-        demos += render(deep_items, world_meta, toy_retriever(world), config.seed + _DEEP_SEED)
+        demos += render(deep_items, world_meta, index, config.seed + _DEEP_SEED)
     rng = random.Random(config.seed)
     hop2_items = [item for item in items if int(item.metadata["hops"]) > 1]
     # the same demo facts under fresh names (dspo.toy.renaming): every question, then the 2-hop ones only, then the
@@ -415,28 +343,6 @@ def _check_init_model(path: str, tokenizer) -> str:
             "start from a model of the same toy world (the shipped warm start) or set init_model=null"
         )
     return str(folder)
-
-
-def demo_environment(index: BM25Index, world_meta: dict[str, dict], config: WarmStartConfig):
-    """What the demonstrations search: `index` (the default search tool), or with `config.sources` the sources
-    (dspo.toy.sources) over the same passages, with the search limits of `config.agent`."""
-    if not config.sources:
-        return index
-    from dspo.toy.sources import source_environment
-
-    limits = {key: config.agent[key] for key in SEARCH_LIMITS if key in config.agent}
-    return source_environment(
-        index.passages,
-        world_meta,
-        max_answer_words=config.agent.get("max_answer_words"),
-        sources=config.sources,
-        **limits,
-    )
-
-
-def toy_retriever(world: ToyWorldFiles) -> BM25Index:
-    """The BM25 index over the toy corpus, cached beside it (`<world>/bm25`), built with the project's BM25 code."""
-    return build_or_load_index(world.corpus, Path(world.root) / "bm25", show_progress=False)
 
 
 def evaluate_subem(

@@ -14,8 +14,9 @@ from dspo.data.qa import load_qa
 from dspo.env.rewards import EpisodeRecord, TurnRecord
 from dspo.search.corpus import load_corpus
 from dspo.toy import sources
+from dspo.toy.render import render_demonstrations, toy_retriever
 from dspo.toy.tokenizer import load_tokenizer
-from dspo.toy.warmstart import WarmStartConfig, config_key, render_demonstrations, toy_retriever
+from dspo.toy.warmstart import WarmStartConfig, config_key
 from dspo.toy.world import load_world_meta
 from dspo.train import CONF_DIR
 from dspo.types import QAItem

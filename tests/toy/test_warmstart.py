@@ -1,27 +1,18 @@
-"""Warm start: demonstrations rendered through the real agent loop, a short SFT run, a loadable cached model."""
+"""Warm start: its config's checks, the SFT loss, a short SFT run, a loadable cached model (the demonstrations
+themselves: test_render.py)."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dspo.data.qa import load_qa
-from dspo.toy.demos import CORRECT, make_script
+from dspo.toy.render import render_demonstrations
 from dspo.toy.sft import sft_loss
-from dspo.toy.tokenizer import load_tokenizer
-from dspo.toy.warmstart import (
-    MANIFEST,
-    WarmStartConfig,
-    observations_in,
-    render_demonstrations,
-    toy_retriever,
-    warm_start,
-)
+from dspo.toy.warmstart import MANIFEST, WarmStartConfig, warm_start
 from dspo.toy.world import load_world_meta
 
 SMALL = WarmStartConfig(
@@ -30,31 +21,7 @@ SMALL = WarmStartConfig(
 )  # fmt: skip
 
 
-def test_demonstrations_are_exact_agent_trajectories(toy) -> None:
-    world, tok_dir = toy
-    tokenizer = load_tokenizer(tok_dir)
-    items = load_qa(world.demo, benchmark="toy", limit=30)
-    meta = load_world_meta(world)
-    demos = render_demonstrations(items, meta, tokenizer, toy_retriever(world), imperfect_share=0.0)
-    rng = random.Random(0)
-    assert [make_script(i, meta, rng, 0.0).kind for i in items] == [CORRECT] * len(items)
-    assert all(d.reward == 1.0 for d in demos)  # BM25 finds every hop in this world, and the script reads it
-    for item, demo in zip(items, demos):
-        generated = tokenizer.decode([t for t, m in zip(demo.response_ids, demo.response_mask) if m])
-        assert generated.endswith("</answer>") and "<tool_response>" not in generated
-        assert demo.num_tool_calls == item.metadata["hops"]
-        full = tokenizer.decode(demo.prompt_ids + demo.response_ids)
-        assert len(observations_in(full)) == item.metadata["hops"]
-
-
-def test_demonstrations_follow_the_configured_imperfect_kinds(toy) -> None:
-    world, tok_dir = toy
-    items = load_qa(world.demo, benchmark="toy", limit=12)
-    demos = render_demonstrations(
-        items, load_world_meta(world), load_tokenizer(tok_dir), toy_retriever(world), imperfect_share=1.0,
-        imperfect_kinds=["no_search"],
-    )  # fmt: skip
-    assert [d.num_tool_calls for d in demos] == [0] * len(items)
+def test_config_refuses_unknown_imperfect_kinds_and_shares_out_of_range() -> None:
     with pytest.raises(ValueError, match=r"imperfect_kinds: unknown \['misread'\]"):
         WarmStartConfig(imperfect_kinds=["no_search", "misread"])
     with pytest.raises(ValueError, match=r"WarmStartConfig.hop2_imperfect_share must be in \[0, 1\], got 1.5"):
