@@ -96,8 +96,9 @@ class MiniBatchCounts:
 
     sequences: int  # this rank's sequences
     tokens: float  # this rank's trained tokens
-    objective: float  # the objective's normalizer (its unit, counted over the mini-batch; tokens over all ranks)
+    objective: float  # the objective's normalizer (its unit, counted over the mini-batch and all ranks)
     kl: float  # the KL's token normalizer (all ranks)
+    episodes: int = 0  # this rank's episodes (its sequences, unless some episode is split into samples)
 
 
 class NonFiniteTraining(RuntimeError):
@@ -241,14 +242,20 @@ class DSPOModule(pl.LightningModule):
         return torch.tensor(stats.totals["train/loss"])
 
     def _counts(self, micro: list[PolicyBatch]) -> MiniBatchCounts:
-        """The mini-batch's sequences (this rank) and trained tokens (this rank, and all ranks), and the normalizers
-        that make gradient accumulation give the mini-batch's loss (token means over all ranks' tokens)."""
+        """The mini-batch's sequences and episodes (this rank) and trained tokens (this rank, and all ranks), and the
+        normalizers that make gradient accumulation give the mini-batch's loss: a sequence mean counts episodes (an
+        episode's samples share its weight, `PolicyBatch.sample_scale`), a token mean tokens, both summed over ranks
+        and divided by their number (DDP and FSDP average the ranks' gradients)."""
         num_sequences = sum(len(b) for b in micro)
+        num_episodes = sum(int(b.episode_heads().sum()) for b in micro)
         num_tokens = float(sum(b.loss_mask.sum() for b in micro))
         world = self.trainer.world_size if self._trainer is not None else 1
-        global_tokens = self._all_ranks_sum(num_tokens) if world > 1 else num_tokens
-        objective = loss_normalizer(self.algo.objective.normalizer_unit, num_sequences, global_tokens, world)
-        return MiniBatchCounts(num_sequences, num_tokens, objective, token_normalizer(global_tokens, world))
+        global_tokens, global_episodes = float(num_tokens), float(num_episodes)
+        if world > 1:
+            global_tokens, global_episodes = self._all_ranks_sum([num_tokens, float(num_episodes)])
+        objective = loss_normalizer(self.algo.objective.normalizer_unit, global_episodes / world, global_tokens, world)
+        kl = token_normalizer(global_tokens, world)
+        return MiniBatchCounts(num_sequences, num_tokens, objective, kl, num_episodes)
 
     def micro_batch_loss(self, batch: PolicyBatch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of one micro-batch (the objective, + β·KL), normalized by the whole mini-batch, and its parts:
@@ -264,7 +271,7 @@ class DSPOModule(pl.LightningModule):
             batch.loss_mask,
             self.algo.objective_settings,
             normalizer=counts.objective,
-            weights=correction,
+            weights=self._episode_share(correction, batch),
         )
         kl = torch.zeros((), device=self.device)
         if self.has_reference:
@@ -273,6 +280,15 @@ class DSPOModule(pl.LightningModule):
             loss = loss + self.algo.kl_coef * kl
         parts = {"kl": kl, "entropy": entropy, "objective": objective, "mismatch": mismatch, "correction": correction}
         return loss, parts
+
+    def _episode_share(self, weights: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
+        """A sequence-mean objective's weights [N, L] times each row's share of its episode's trained tokens
+        (`PolicyBatch.sample_scale`), so that a split episode contributes what it would unsplit; a token mean weighs
+        every token once already."""
+        scale = batch.sample_scale
+        if self.algo.objective.normalizer_unit != "sequence" or scale is None or bool((scale == 1).all()):
+            return weights
+        return weights * scale.to(weights)[:, None]
 
     def _optimizer_step(self) -> float:
         """AdamW step, then the scheduler's; returns the learning rate the step applied."""
@@ -293,12 +309,14 @@ class DSPOModule(pl.LightningModule):
         self, stats: MiniBatchStats, micro: list[PolicyBatch], grad_norm: torch.Tensor, lr: float, slot: RoundSlot
     ) -> None:
         totals = stats.totals
-        rewards = torch.cat([b.rewards for b in micro])
+        heads = torch.cat([b.episode_heads() for b in micro])  # statistics of episodes count episodes, not samples
+        rewards = torch.cat([b.rewards for b in micro])[heads]
         lengths = torch.cat([b.loss_mask.sum(1) for b in micro])
+        tokens_per_episode = lengths.mean() if bool(heads.all()) else lengths.sum() / heads.sum().clamp(min=1)
         totals.update(
             {
                 "train/reward_mean": float(rewards.mean()),
-                "train/response_tokens_mean": float(lengths.mean()),
+                "train/response_tokens_mean": float(tokens_per_episode),
                 "train/grad_norm": float(grad_norm),
                 "train/lr": lr,
                 "train/policy_version": float(slot.round_index),
@@ -315,9 +333,10 @@ class DSPOModule(pl.LightningModule):
             return finite
         return bool(self.trainer.strategy.reduce_boolean_decision(finite, all=True))
 
-    def _all_ranks_sum(self, value: float) -> float:
-        total = self.trainer.strategy.reduce(torch.tensor(value, device=self.device), reduce_op="sum")
-        return float(total)
+    def _all_ranks_sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (one collective)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return [float(v) for v in self.trainer.strategy.reduce(tensor, reduce_op="sum")]
 
     def _rollout_correction(self, old: torch.Tensor, batch: PolicyBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         """Weights [N, L] for the objective and mismatch stats: logπ_old (as the objective uses it) vs the engine's."""
@@ -326,7 +345,10 @@ class DSPOModule(pl.LightningModule):
                 "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.buffer.collate_trajectories"
             )
         cfg = self.algo.rollout_correction
-        return correction_weights(old, batch.engine_logprobs, batch.loss_mask, cfg.mode, cfg.low, cfg.high)
+        episodes = batch.episode_ids
+        return correction_weights(
+            old, batch.engine_logprobs, batch.loss_mask, cfg.mode, cfg.low, cfg.high, episodes=episodes
+        )
 
     def _clip_gradients(self) -> torch.Tensor:
         root = self.trainer.strategy.model if self.trainer is not None else self

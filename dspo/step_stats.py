@@ -71,7 +71,9 @@ class MiniBatchStats:
                     self.totals[name] = float(value)
                 self._min_seen = self._min_seen or trained
             elif key == "ess" and correction is not None:
-                self._sequence_weights.append(sequence_mean_weights(correction.detach(), batch.loss_mask))
+                self._sequence_weights.append(
+                    sequence_mean_weights(correction.detach(), batch.loss_mask, batch.episode_ids)
+                )
                 self.totals[name] = float(effective_sample_size(torch.cat(self._sequence_weights)))
             else:
                 self._sum(name, float(value) * share)

@@ -81,6 +81,42 @@ class ScriptedAgent:
 
 
 @dataclass
+class SplittingAgent(ScriptedAgent):
+    """`ScriptedAgent` whose episodes are each trained as `pieces` samples (`Trajectory.segments`), as a compacted
+    context or an endpoint's prefix break makes them: the response is cut into `pieces` consecutive parts, each earlier
+    part a `Segment` whose context the next part's prompt extends."""
+
+    pieces: int = 2
+
+    def _group(self, item: QAItem, group_size: int, policy_version: int, seed: int | None) -> RolloutGroup:
+        group = super()._group(item, group_size, policy_version, seed)
+        group.trajectories = [split_episode(t, self.pieces) for t in group.trajectories]
+        return group
+
+
+def split_episode(trajectory: Trajectory, pieces: int) -> Trajectory:
+    """`trajectory` as `pieces` samples (fewer when its response is shorter): the same tokens, cut in order."""
+    from dspo.types import Segment
+
+    response, n = trajectory.response_ids, len(trajectory.response_ids)
+    cuts = sorted({round(n * k / pieces) for k in range(1, pieces)} - {0, n})
+    bounds = [0, *cuts, n]
+    segments, prompt = [], list(trajectory.prompt_ids)
+    for start, end in zip(bounds[:-2], bounds[1:-1]):
+        part = slice(start, end)
+        segments.append(
+            Segment(prompt, response[part], trajectory.response_mask[part], trajectory.engine_logprobs[part])
+        )
+        prompt = prompt + response[part]
+    last = slice(bounds[-2], n)
+    trajectory.prompt_ids, trajectory.response_ids = prompt, response[last]
+    trajectory.response_mask = trajectory.response_mask[last]
+    trajectory.engine_logprobs = trajectory.engine_logprobs[last]
+    trajectory.segments = segments
+    return trajectory
+
+
+@dataclass
 class RecordingEngine:
     """Holds a version tag and a copy of every pushed weight set, as the real engines' `push_weights` would load."""
 

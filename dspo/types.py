@@ -52,6 +52,13 @@ class Generation:
     text: str = ""  # decoded text of `token_ids` (for parsing only; ids are the source of truth)
 
 
+# Why an episode ended (`Trajectory.stop_reason`): the model ended it (an answer, or EOS), it ran out of turns or of
+# tokens (context budget or engine length), or a failure outside the policy ended it (the agent behind the endpoint
+# raised or timed out).
+STOP_REASONS = ("finished", "max_turns", "max_tokens", "agent_error", "agent_timeout")
+FAILED_STOP_REASONS = frozenset({"agent_error", "agent_timeout"})
+
+
 @dataclass
 class Segment:
     """An earlier context of an episode that its final context does not extend (the agent or the template rewrote
@@ -98,6 +105,9 @@ class Trajectory:
     num_invalid_calls: int = 0
     tool_calls: dict[str, int] = field(default_factory=dict)
     truncated: bool = False  # hit the total length cap or max_turns without an answer
+    # why the episode ended (`STOP_REASONS`); "" when the agent did not say. A failed one (`FAILED_STOP_REASONS`) is a
+    # masked stub whose outcome says nothing about the policy: its group is dropped before the filter
+    stop_reason: str = ""
     policy_version: int = 0  # completed training rounds of the weights that generated its first (oldest) tokens
     segments: list[Segment] = field(default_factory=list)  # earlier contexts, trained with this one's advantage
     # [R] the policy version of each response token, when more than one generated them (rollout.partial_rollouts:
@@ -117,6 +127,11 @@ class Trajectory:
             raise ValueError(
                 f"Trajectory lengths disagree: response_ids={n}, token_versions={len(self.token_versions)}"
             )
+
+    @property
+    def failed(self) -> bool:
+        """The episode ended by a failure outside the policy (the agent raised, or timed out): no outcome."""
+        return self.stop_reason in FAILED_STOP_REASONS
 
     def trained_token_versions(self) -> list[int]:
         """The policy version of each trained (mask-1) token, segments included."""
@@ -177,6 +192,11 @@ class RolloutGroup:
         return torch.tensor([t.outcome for t in self.trajectories], dtype=torch.float32)
 
     @property
+    def failed(self) -> bool:
+        """Some episode failed outside the policy (`Trajectory.failed`): the group's outcomes are not all measured."""
+        return any(t.failed for t in self.trajectories)
+
+    @property
     def policy_version(self) -> int:
         versions = {t.policy_version for t in self.trajectories}
         if len(versions) != 1:
@@ -199,6 +219,22 @@ class PolicyBatch:
     engine_logprobs: torch.Tensor | None = None  # [N, L] float, engine logprob at loss_mask positions (0 elsewhere)
     rewards: torch.Tensor | None = None  # [N] float
     policy_version: int = 0
+    # an episode trained as several samples (segments) has one row per sample, all in one micro-batch:
+    episode_ids: torch.Tensor | None = None  # [N] long, the episode of each row (unique within the round)
+    # [N] float, |y_row| / |y_episode| in trained tokens (1 for an unsplit episode): a sequence-mean objective scales
+    # each row's term by it, so that an episode weighs the same however many samples it became
+    sample_scale: torch.Tensor | None = None
+
+    def episode_heads(self) -> torch.Tensor:
+        """[N] bool: the first row of each episode (every row when no episode is split)."""
+        import torch
+
+        if self.episode_ids is None:
+            return torch.ones(len(self), dtype=torch.bool, device=self.input_ids.device)
+        ids = self.episode_ids
+        heads = torch.ones_like(ids, dtype=torch.bool)
+        heads[1:] = ids[1:] != ids[:-1]  # an episode's rows are consecutive (`collate_trajectories`)
+        return heads
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -373,14 +373,15 @@ def test_token_means_use_the_token_count_of_all_ranks(lm_dir, tmp_path, monkeypa
     reduced = []
 
     def reduce(value, reduce_op):
-        reduced.append((float(value), reduce_op))
+        reduced.append((value.tolist(), reduce_op))
         return value * 2
 
     monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: 2))
     run.trainer.strategy.reduce = reduce
     run.trainer.fit(run.module, datamodule=run.datamodule)
-    tokens = float(sum(b.loss_mask.sum() for b in run.module.slots[0].micro_batches))
-    assert reduced == [(tokens, "sum")]
+    micro = run.module.slots[0].micro_batches
+    tokens, episodes = float(sum(b.loss_mask.sum() for b in micro)), float(sum(len(b) for b in micro))
+    assert reduced == [([tokens, episodes], "sum")]  # one collective: tokens and episodes
     for name, grad in single.module.grads[0].items():
         torch.testing.assert_close(run.module.grads[0][name], grad, atol=1e-7, rtol=1e-5)
 

@@ -262,3 +262,61 @@ def test_a_push_or_take_failing_on_one_rank_ends_both_ranks_with_a_failure_check
     assert "another rank failed while taking round 2" in ranks[0]["error"]
     assert [r["steps"] for r in ranks] == [2, 2] and [r["closed"] for r in ranks] == [None, None]
     assert (tmp_path / "rank0" / "checkpoints" / "failure.ckpt").is_file()
+
+
+class RecordingCounts(DSPOModule):
+    """Records, per optimizer step, the micro-batches it ran, their rows, and the objective's normalizer."""
+
+    def _counts(self, micro):
+        counts = super()._counts(micro)
+        self.steps = [*getattr(self, "steps", []), (len(micro), counts.sequences, counts.episodes, counts.objective)]
+        return counts
+
+
+def _split_worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dspo.models.weights import policy_weights
+    from dspo.strategies import FSDP2Strategy
+    from dspo.testing import ScriptedAgent, SplittingAgent, attach, toy_run
+
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+    os.environ.update({**env, "LOCAL_RANK": str(rank), "RANK": str(rank)})
+    # each rank: 2 groups of 4 episodes per step, micro-batches of 2 rows; rank 1's episodes become 3 samples each
+    run = toy_run(lm_dir, f"{root}/rank{rank}", 3, module_cls=RecordingCounts, micro_batch_size=2, batch_groups=4)
+    attach(run.callback, SplittingAgent(pieces=3) if rank == 1 else ScriptedAgent(), run.engine, WORLD)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=3, callbacks=[run.callback], logger=False,
+        strategy=DDPStrategy(process_group_backend="gloo") if strategy == "ddp" else FSDP2Strategy(),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
+    )  # fmt: skip
+    trainer.fit(run.module, datamodule=run.datamodule)
+    weights = {k: v.detach().clone() for k, v in policy_weights(trainer.strategy.model)}  # full tensors under FSDP
+    report = {"steps": run.module.steps, "global_step": trainer.global_step, "weights": weights}
+    torch.save(report, f"{root}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ranks_agree_on_micro_batches_when_one_ranks_episodes_split_into_more_samples(tmp_path, strategy):
+    """Issue 52 (2): rank 1's episodes are trained as 3 samples each, rank 0's as one; with micro-batches of 2 rows
+    rank 0 would run 4 micro-batches and rank 1 8 (one episode each: its samples share a micro-batch), and DDP's or
+    FSDP's per-backward collectives then paired across steps (a hang). Both run 8, normalize by the same episode count
+    (8 episodes per rank), take 3 steps and end with the same weights."""
+    from functools import partial
+
+    from dspo.testing import build_toy_lm
+
+    lm_dir = build_toy_lm(str(tmp_path / "lm"))
+    ranks = _run_ranks(partial(_split_worker, strategy), lm_dir, tmp_path, "one rank ran more backward passes")
+    assert [r["global_step"] for r in ranks] == [3, 3]
+    micro = [[step[0] for step in r["steps"]] for r in ranks]
+    assert micro[0] == micro[1] and all(n == 8 for n in micro[0])
+    rows = [[step[1] for step in r["steps"]] for r in ranks]
+    assert all(n == 8 for n in rows[0]) and all(n > 8 for n in rows[1])  # rank 1 trains more rows ...
+    assert [[step[2:] for step in r["steps"]] for r in ranks] == [[(8, 8.0)] * 3] * 2  # ... but as many episodes
+    for name, tensor in ranks[0]["weights"].items():
+        assert torch.equal(tensor, ranks[1]["weights"][name]), name

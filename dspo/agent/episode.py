@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from dspo.agent import compaction, parsing
 from dspo.env.rewards import TurnRecord
-from dspo.types import QAItem, Segment
+from dspo.types import STOP_REASONS, QAItem, Segment
 
 
 @dataclass
@@ -35,11 +35,19 @@ class Episode:
     tool_errors: Counter = field(default_factory=Counter)  # tool -> count
     done: bool = False
     truncated: bool = False
+    stop_reason: str = ""  # why it ended (dspo.types.STOP_REASONS), set by `end`
     observation: str | None = None  # pending tool message for this turn
     pending: parsing.ParsedCall | None = None  # a valid call, to run with the turn's batch
     spliced: list[compaction.Spliced] = field(default_factory=list)  # tool responses in the context (overflow=compact)
     segments: list[Segment] = field(default_factory=list)  # contexts closed by a compaction
     compactions: int = 0
+
+    def end(self, reason: str) -> None:
+        """The episode is over, for `reason` (dspo.types.STOP_REASONS): any reason but the model's own ending
+        ("finished") leaves it truncated, without its answer."""
+        if reason not in STOP_REASONS:
+            raise ValueError(f"unknown stop reason {reason!r}; one of {STOP_REASONS}")
+        self.done, self.truncated, self.stop_reason = True, reason != "finished", reason
 
     @property
     def length(self) -> int:

@@ -209,7 +209,7 @@ class ToolCallingAgent:
                 if ep.observation is not None:
                     self._append_observation(ep, ep.turn - 1)
                 if not ep.done and ep.turn >= self.config.max_turns:
-                    ep.done = ep.truncated = True  # out of turns without an answer
+                    ep.end("max_turns")
             if after_turn is not None and after_turn():
                 return
 
@@ -256,17 +256,18 @@ class ToolCallingAgent:
             ids, logprobs = ids[: max(room, 0)], logprobs[: max(room, 0)]
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
             self._record_turn(ep, ids, logprobs, text, start)
-            ep.done = ep.truncated = True
+            ep.end("max_tokens")
             return
         self._record_turn(ep, ids, logprobs, text, start)
         close = self._closing_tag(gen, text)
         if gen.finish_reason == "length":
-            ep.done = ep.truncated = True
+            ep.end("max_tokens")
         elif close is not None:
             self._handle_call(ep, text, turn, close)
         else:  # </answer> or EOS: the episode is over, unless the agent has more to say
             ep.observation = self.next_message(text, turn)
-            ep.done = ep.observation is None
+            if ep.observation is None:
+                ep.end("finished")
 
     def _record_turn(self, ep: Episode, ids: list[int], logprobs: list[float], text: str, start: int) -> None:
         ep.append(ids, 1, logprobs)
@@ -288,7 +289,7 @@ class ToolCallingAgent:
             tool = close[2:-1] if cfg.tag_format == "searchr1" else parsing.NO_TOOL
             ep.invalid[(tool, parsing.CALL_AFTER_LAST_TURN)] += 1
             record.invalid = parsing.CALL_AFTER_LAST_TURN
-            ep.done = ep.truncated = True
+            ep.end("max_turns")
             return
         call = parsing.parse_call(text, self.tools, cfg.tag_format, close)
         if call.ok:
@@ -326,7 +327,7 @@ class ToolCallingAgent:
         if cfg.overflow == "compact":
             self._compact(ep, ep.length + len(wrapped) + cfg.max_new_tokens_per_turn - cfg.max_total_tokens, wrapped)
         if ep.length + len(wrapped) >= cfg.max_total_tokens:  # no room left for the model to answer
-            ep.done = ep.truncated = True
+            ep.end("max_tokens")
             return
         start = len(ep.response_ids) + len(self.tool_turn.prefix_ids)
         ep.append(wrapped, 0)
@@ -370,7 +371,7 @@ class ToolCallingAgent:
         records = []
         for ep in episodes:
             if not ep.done:  # ran out of turns without an answer
-                ep.truncated = True
+                ep.end("max_turns")
             answer = reward.extract_answer("".join(ep.model_text))
             records.append(EpisodeRecord(item=ep.item, turns=ep.turns, answer=answer, truncated=ep.truncated))
         results = reward.score(records)
@@ -403,6 +404,7 @@ class ToolCallingAgent:
             num_invalid_calls=sum(ep.invalid.values()),
             tool_calls=dict(ep.tool_calls),
             truncated=ep.truncated,
+            stop_reason=ep.stop_reason,
             policy_version=min(ep.versions, default=ep.version),  # the oldest: what staleness is measured from
             segments=list(ep.segments),
             token_versions=list(ep.versions) if ep.spans_versions() else [],

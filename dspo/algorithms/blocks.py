@@ -137,10 +137,11 @@ def token_normalizer(num_tokens: float, world_size: int = 1) -> float:
     return float(max(num_tokens, 1)) / world_size
 
 
-def loss_normalizer(unit: str, num_sequences: int, num_tokens: float, world_size: int = 1) -> float:
+def loss_normalizer(unit: str, num_sequences: float, num_tokens: float, world_size: int = 1) -> float:
     """The `normalizer` of an objective whose loss averages over `unit` ("sequence" or "token"), for a mini-batch with
-    these counts (at least 1). `num_sequences` is this process's count (equal on every rank, so DDP's average is
-    already the global mean); `num_tokens` is the count over all `world_size` processes (see `token_normalizer`)."""
+    these counts (at least 1). `num_sequences` is this process's share of the mini-batch's episodes (all ranks' count
+    divided by `world_size`: DDP's average is then the global mean, whatever each rank holds; an episode split into
+    samples counts once); `num_tokens` is the count over all `world_size` processes (see `token_normalizer`)."""
     if unit not in LEVELS:
         raise ValueError(f"loss_normalizer: unit must be one of {LEVELS}, got {unit!r}")
     return float(max(num_sequences, 1)) if unit == "sequence" else token_normalizer(num_tokens, world_size)

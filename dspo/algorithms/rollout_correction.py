@@ -185,6 +185,7 @@ def correction_weights(
     mode: str,
     low: float = 0.5,
     high: float = 2.0,
+    episodes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Importance weights correcting for sampling from π_engine instead of π_old, and mismatch statistics.
 
@@ -194,6 +195,9 @@ def correction_weights(
         engine_logprobs: [N, L] the engine's logprob of each sampled token (0 off the mask).
         mask: [N, L] 1 on trained (model-generated) tokens.
         mode: a key of CORRECTION_MODES; low, high: the bounds of `RolloutCorrectionConfig`.
+        episodes: [N] long, the episode of each row (None: one each). The rows of one episode (its samples: a
+            compacted context, an endpoint's prefix break) share one sequence-level weight, computed over all their
+            mask-1 tokens: S_i and |y_i| above are the episode's, whose advantage every sample carries.
 
     Returns:
         weights [N, L] (no gradient, 0 off the mask and on sequences without a mask-1 token) and detached scalars
@@ -214,7 +218,15 @@ def correction_weights(
     # selected, not multiplied: off-mask positions may hold -inf or NaN (0 * -inf = NaN)
     delta = torch.where(keep, old_logprobs.detach().to(dtype) - engine_logprobs.to(dtype), 0.0)  # [N, L]
     mask_f = keep.to(dtype)
-    weights = torch.where(keep, CORRECTION_MODES[mode].weigh(delta, mask_f, low, high), 0.0)  # [N, L]
+    correction = CORRECTION_MODES[mode]
+    if correction.level == "sequence" and episodes is not None and _has_split_episode(episodes):
+        # the weigh functions reduce over dim 1: an [N, 1] column of the episode's log-ratio sum over its length
+        # (a count, not a 0/1 mask) gives the episode's S_i and ρ_i on each of its rows
+        episode_delta, episode_length = _per_episode(delta.sum(dim=1), mask_f.sum(dim=1), episodes)
+        per_row = correction.weigh(episode_delta[:, None], episode_length[:, None], low, high)  # [N, 1]
+        weights = torch.where(keep, per_row.expand_as(delta), 0.0)
+    else:
+        weights = torch.where(keep, correction.weigh(delta, mask_f, low, high), 0.0)  # [N, L]
     count = mask_f.sum()
     if count == 0:
         zero = torch.zeros((), dtype=dtype, device=delta.device)
@@ -235,16 +247,39 @@ def correction_weights(
         "weight_mean": weights.sum() / count,
         "masked_share": ((weights == 0) & keep).to(dtype).sum() / count,
         "weight_min": torch.where(keep, weights, math.inf).min(),
-        "ess": effective_sample_size(sequence_mean_weights(weights, mask_f)),
+        "ess": effective_sample_size(sequence_mean_weights(weights, mask_f, episodes)),
     }
 
 
-def sequence_mean_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _has_split_episode(episodes: torch.Tensor) -> bool:
+    return episodes.numel() > 1 and int(torch.unique(episodes).numel()) < episodes.numel()
+
+
+def _per_episode(
+    row_sums: torch.Tensor, row_lengths: torch.Tensor, episodes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's episode totals [N], [N]: the sums of `row_sums` and `row_lengths` over the rows of its episode."""
+    _, inverse = torch.unique(episodes, return_inverse=True)
+    count = int(inverse.max()) + 1
+    sums = torch.zeros(count, dtype=row_sums.dtype, device=row_sums.device).index_add_(0, inverse, row_sums)
+    lengths = torch.zeros(count, dtype=row_lengths.dtype, device=row_lengths.device).index_add_(0, inverse, row_lengths)
+    return sums[inverse], lengths[inverse]
+
+
+def sequence_mean_weights(
+    weights: torch.Tensor, mask: torch.Tensor, episodes: torch.Tensor | None = None
+) -> torch.Tensor:
     """w_i = Σ_t m_it w_it / Σ_t m_it for the sequences with at least one mask-1 token [N'] (a sequence mode's own
-    weight; a token mode's mean weight over the sequence)."""
+    weight; a token mode's mean weight over the sequence). With `episodes` ([N], as `correction_weights` takes it), one
+    value per episode over all its rows' tokens: an episode split into samples is one sample of the estimate."""
     mask = mask.to(weights.dtype)
-    count = mask.sum(dim=1)
-    return ((weights * mask).sum(dim=1) / count.clamp(min=1.0))[count > 0]
+    totals, count = (weights * mask).sum(dim=1), mask.sum(dim=1)
+    if episodes is not None and _has_split_episode(episodes):
+        totals, count = _per_episode(totals, count, episodes)
+        first = torch.ones_like(episodes, dtype=torch.bool)
+        first[1:] = episodes[1:] != episodes[:-1]  # an episode's rows are consecutive (`collate_trajectories`)
+        totals, count = totals[first], count[first]
+    return (totals / count.clamp(min=1.0))[count > 0]
 
 
 def effective_sample_size(seq_weights: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,14 @@ advantage (the estimator on outcome + shaping) plus the same estimator's advanta
 the group's step rewards (`turn_advantages`; StepSearch), so both parts are on the estimator's scale.
 
 One round holds B groups of G trajectories. They are shuffled (seeded) and cut into M mini-batches, one optimizer step
-each (M = 1 is fully on-policy). An episode trained as several samples (`Trajectory.segments`: an agent that rewrote
-its history) stays in one mini-batch, every sample with the episode's advantage.
+each (M = 1 is fully on-policy). An episode trained as several samples (`Trajectory.segments`: a compacted context, an
+agent that rewrote its history, a branch) stays in one micro-batch, every sample with the episode's advantage and a
+`sample_scale` of |y_sample| / |y_episode| trained tokens: a sequence-mean objective scales each sample's term by it
+and counts episodes, not samples, so a split episode weighs what it would unsplit (docs/training.md). Its importance
+weight is computed over all its samples (`correction_weights(episodes=...)`), which is why they share a micro-batch.
+
+Data-parallel ranks run the same number of micro-batches whatever their episodes split into: every rank runs the most
+any rank has (`agree_counts`), because each backward is a collective under DDP and FSDP.
 
 Inside a mini-batch, sequences are sorted by length before being cut into micro-batches, and each micro-batch is
 padded only to its own longest sequence: this length bucketing keeps the share of padding small without packing
@@ -49,13 +55,19 @@ def _pad(rows: list[list[float]], value: float, dtype: torch.dtype) -> torch.Ten
 
 
 def collate_trajectories(
-    trajectories: list[Trajectory], advantages: list, pad_token_id: int, policy_version: int
+    trajectories: list[Trajectory],
+    advantages: list,
+    pad_token_id: int,
+    policy_version: int,
+    sample_scale: list[float] | None = None,
+    episode_ids: list[int] | None = None,
 ) -> PolicyBatch:
     """Pad prompt+response of each trajectory to one [N, L] batch; loss_mask covers the response's mask-1 tokens.
 
     Token t's engine logprob sits at position t, as loss_mask and the trainer's logprobs (dspo.models.logprobs) do.
     `advantages`: one float per trajectory ([N]), or one list per trajectory of one value per response token
-    ([N, L], placed after the prompt like the logprobs; per-turn credit).
+    ([N, L], placed after the prompt like the logprobs; per-turn credit). `sample_scale` and `episode_ids` ([N] each;
+    default 1 and one episode per row): which rows are samples of one episode (consecutive), and their weights.
     """
     ids = [t.prompt_ids + t.response_ids for t in trajectories]
     masks = [[0] * len(t.prompt_ids) + list(t.response_mask) for t in trajectories]
@@ -65,6 +77,7 @@ def collate_trajectories(
         advantage_tensor = _pad(per_token, 0.0, torch.float32)  # [N, L]
     else:
         advantage_tensor = torch.tensor(advantages, dtype=torch.float32)  # [N]
+    n = len(trajectories)
     return PolicyBatch(
         input_ids=_pad(ids, pad_token_id, torch.long),  # [N, L]
         attention_mask=_pad([[1] * len(x) for x in ids], 0, torch.long),  # [N, L]
@@ -73,7 +86,32 @@ def collate_trajectories(
         advantages=advantage_tensor,  # [N], or [N, L] with per-turn credit
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),  # [N]
         policy_version=policy_version,
+        episode_ids=torch.tensor(episode_ids if episode_ids is not None else range(n), dtype=torch.long),  # [N]
+        sample_scale=torch.tensor(sample_scale if sample_scale is not None else [1.0] * n, dtype=torch.float32),
     )
+
+
+@dataclass
+class Sample:
+    """One row of a round: a sample of an episode, with the episode's advantage, id and this sample's scale."""
+
+    trajectory: Trajectory
+    advantage: float | list[float]
+    episode: int  # position of its episode in the round (after the shuffle)
+    scale: float  # |y_sample| / |y_episode| in trained tokens (1 / samples for an episode without trained tokens)
+
+    @property
+    def length(self) -> int:
+        return len(self.trajectory.prompt_ids) + len(self.trajectory.response_ids)
+
+
+def episode_samples(trajectory: Trajectory, advantage: float | list[float], episode: int) -> list[Sample]:
+    """The rows of one episode (`Trajectory.samples`), each scaled by its share of the episode's trained tokens."""
+    samples = trajectory.samples()
+    trained = [float(sum(s.response_mask)) for s in samples]
+    total = sum(trained)
+    scales = [t / total for t in trained] if total > 0 and len(samples) > 1 else [1.0 / len(samples)] * len(samples)
+    return [Sample(s, advantage, episode, scale) for s, scale in zip(samples, scales)]
 
 
 def turn_credit(
@@ -106,28 +144,54 @@ def padding_share(batches: list[PolicyBatch]) -> float:
     return 0.0 if total == 0 else 1.0 - real / total
 
 
-def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices of `lengths`, longest first, packed into micro-batches whose padded size (sequences x the longest) is
-    at most `budget` tokens; a sequence longer than the budget is a micro-batch of its own (verl's dynamic batch size).
-    """
+def pack_by_tokens(lengths: Sequence[int], budget: int, rows: Sequence[int] | None = None) -> list[list[int]]:
+    """Indices of `lengths`, longest first, packed into micro-batches whose padded size (rows x the longest) is at
+    most `budget` tokens; one longer than the budget is a micro-batch of its own (verl's dynamic batch size). `rows`:
+    the sequences each index stands for (an episode's samples travel together; default 1 each)."""
+    rows = rows if rows is not None else [1] * len(lengths)
     parts: list[list[int]] = []
+    filled = 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if parts and (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= budget:
+        if parts and (filled + rows[i]) * lengths[parts[-1][0]] <= budget:
             parts[-1].append(i)
+            filled += rows[i]
         else:
             parts.append([i])
+            filled = rows[i]
     return parts
 
 
-def split_to(parts: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
-    """`parts` split until there are `count` of them (the largest padded part of 2+ sequences halved first), so that
-    every data-parallel rank runs as many forward/backward passes (DDP and FSDP collectives must pair up)."""
+def pack_by_count(rows: Sequence[int], size: int) -> list[list[int]]:
+    """Consecutive indices packed into micro-batches of at most `size` sequences (`rows[i]` each); an index of more
+    rows than `size` (an episode's samples) is a micro-batch of its own."""
+    parts: list[list[int]] = []
+    filled = 0
+    for i, n in enumerate(rows):
+        if parts and filled + n <= size:
+            parts[-1].append(i)
+            filled += n
+        else:
+            parts.append([i])
+            filled = n
+    return parts
+
+
+def split_to(
+    parts: list[list[int]], lengths: Sequence[int], count: int, rows: Sequence[int] | None = None
+) -> list[list[int]]:
+    """`parts` split until there are `count` of them (the largest padded part of 2+ indices halved first), so that
+    every data-parallel rank runs as many forward/backward passes (DDP and FSDP collectives must pair up). `rows` as
+    in `pack_by_tokens`: an index is never split (an episode's samples stay together)."""
+    rows = rows if rows is not None else [1] * len(lengths)
     parts = [list(p) for p in parts]
     if count > sum(len(p) for p in parts):
-        raise ValueError(f"cannot split {sum(len(p) for p in parts)} sequences into {count} micro-batches")
+        raise ValueError(
+            f"cannot split {sum(len(p) for p in parts)} episodes into {count} micro-batches (ranks must hold as many "
+            "episodes per mini-batch: algorithm.batch_groups must be divisible by the number of ranks)"
+        )
     while len(parts) < count:
         splittable = [k for k, p in enumerate(parts) if len(p) > 1]
-        k = max(splittable, key=lambda k: len(parts[k]) * lengths[parts[k][0]])
+        k = max(splittable, key=lambda k: sum(rows[i] for i in parts[k]) * max(lengths[i] for i in parts[k]))
         half = len(parts[k]) // 2
         parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
     return parts
@@ -147,27 +211,12 @@ def build_round(
 ) -> Round:
     """Advantages per group (`advantages`: rewards [B, G] -> [B, G], the configured estimator; Eq. 10 by default; or
     per token with `credit="turn"`), shuffle, split into `num_minibatches`, bucket into micro-batches: of
-    `micro_batch_size` sequences, or with `micro_batch_tokens` packed by tokens (`pack_by_tokens`). `agree_counts`
-    maps this rank's micro-batch count per mini-batch to the counts every rank must run (their maximum; token packing
-    gives ranks different counts), and micro-batches are split to reach them."""
+    `micro_batch_size` sequences, or with `micro_batch_tokens` packed by tokens (`pack_by_tokens`); an episode's
+    samples always share one micro-batch. `agree_counts` maps this rank's micro-batch count per mini-batch to the
+    counts every rank must run (their maximum), and micro-batches are split to reach them."""
     if not groups:
         raise ValueError("build_round got no rollout groups")
-    if credit == "turn":
-        if any(t.segments for g in groups for t in g.trajectories):
-            raise ValueError(
-                "env.reward.credit=turn: some episodes were trained as several samples (Trajectory.segments: a "
-                "rewritten history or a compacted context), and per-turn credit covers one token sequence; use "
-                "env.reward.credit=trajectory with this agent"
-            )
-        flat = [
-            pair
-            for g, per_token in zip(groups, turn_credit(groups, advantages))
-            for pair in zip(g.trajectories, per_token)
-        ]
-    else:
-        rewards = torch.stack([g.rewards for g in groups])  # [B, G]
-        group_adv = advantages(rewards)  # [B, G]
-        flat = [(t, float(a)) for g, adv in zip(groups, group_adv) for t, a in zip(g.trajectories, adv.tolist())]
+    flat = _episodes_with_advantages(groups, advantages, credit)
     if len(flat) % num_minibatches:
         raise ValueError(
             f"{len(flat)} trajectories cannot be split into algorithm.num_minibatches={num_minibatches} equal "
@@ -177,28 +226,57 @@ def build_round(
     per_minibatch = len(flat) // num_minibatches
     chunks, plans = [], []
     for m in range(num_minibatches):
-        chunk = sorted(
-            [(sample, a) for t, a in flat[m * per_minibatch : (m + 1) * per_minibatch] for sample in t.samples()],
-            key=lambda x: len(x[0].prompt_ids) + len(x[0].response_ids),
+        start = m * per_minibatch
+        units = sorted(  # episodes (their samples together), shortest longest sample first
+            [episode_samples(t, a, start + k) for k, (t, a) in enumerate(flat[start : start + per_minibatch])],
+            key=lambda unit: max(sample.length for sample in unit),
         )
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t, _ in chunk]
+        lengths = [max(sample.length for sample in unit) for unit in units]
+        rows = [len(unit) for unit in units]
         if micro_batch_tokens is None:
-            plan = [
-                list(range(i, min(i + micro_batch_size, len(chunk)))) for i in range(0, len(chunk), micro_batch_size)
-            ]
+            plan = pack_by_count(rows, micro_batch_size)
         else:
-            plan = pack_by_tokens(lengths, micro_batch_tokens)
-        chunks.append((chunk, lengths))
+            plan = pack_by_tokens(lengths, micro_batch_tokens, rows)
+        chunks.append((units, lengths, rows))
         plans.append(plan)
     if agree_counts is not None:
         targets = agree_counts([len(plan) for plan in plans])
-        plans = [split_to(plan, lengths, n) for plan, (_, lengths), n in zip(plans, chunks, targets)]
+        plans = [split_to(plan, lengths, n, rows) for plan, (_, lengths, rows), n in zip(plans, chunks, targets)]
     minibatches = [
-        [
-            collate_trajectories([chunk[i][0] for i in part], [chunk[i][1] for i in part], pad_token_id, policy_version)
-            for part in plan
-        ]
-        for plan, (chunk, _) in zip(plans, chunks)
+        [_collate([sample for i in part for sample in units[i]], pad_token_id, policy_version) for part in plan]
+        for plan, (units, _, _) in zip(plans, chunks)
     ]
     stats = {"padding_share": padding_share([b for mb in minibatches for b in mb])}
     return Round(groups=groups, minibatches=minibatches, policy_version=policy_version, stats=stats)
+
+
+def _episodes_with_advantages(
+    groups: list[RolloutGroup], advantages: Callable[[torch.Tensor], torch.Tensor], credit: str
+) -> list[tuple[Trajectory, float | list[float]]]:
+    """(episode, its advantage) for every trajectory of the round, group by group."""
+    if credit == "turn":
+        if any(t.segments for g in groups for t in g.trajectories):
+            raise ValueError(
+                "env.reward.credit=turn: some episodes were trained as several samples (Trajectory.segments: a "
+                "rewritten history or a compacted context), and per-turn credit covers one token sequence; use "
+                "env.reward.credit=trajectory with this agent"
+            )
+        return [
+            pair
+            for g, per_token in zip(groups, turn_credit(groups, advantages))
+            for pair in zip(g.trajectories, per_token)
+        ]
+    rewards = torch.stack([g.rewards for g in groups])  # [B, G]
+    group_adv = advantages(rewards)  # [B, G]
+    return [(t, float(a)) for g, adv in zip(groups, group_adv) for t, a in zip(g.trajectories, adv.tolist())]
+
+
+def _collate(samples: list[Sample], pad_token_id: int, policy_version: int) -> PolicyBatch:
+    return collate_trajectories(
+        [s.trajectory for s in samples],
+        [s.advantage for s in samples],
+        pad_token_id,
+        policy_version,
+        sample_scale=[s.scale for s in samples],
+        episode_ids=[s.episode for s in samples],
+    )

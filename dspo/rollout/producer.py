@@ -148,10 +148,9 @@ class RoundProducer:
         return stats
 
     def _agree_counts(self):
-        """Token-packed micro-batches differ in number between ranks; every rank runs the most any rank has."""
-        if self.algo.micro_batch_tokens is None or self.link.world_size < 2:
-            return None
-        return self.link.max_over_ranks
+        """Ranks' micro-batch counts differ (token packing; episodes split into several samples); every rank runs the
+        most any rank has, since each backward is a collective under DDP and FSDP."""
+        return self.link.max_over_ranks if self.link.world_size > 1 else None
 
     def rewind(self, global_step: int) -> None:
         """A run failing before the round in progress trained a step (generation failed, the retriever went down, the

@@ -103,7 +103,7 @@ class RoundSampler:
         round_index = policy_version if round_index is None else round_index
         dropped = 0
         kept: list[RolloutGroup] = []
-        sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = 0
+        sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = failed = 0
         reward_sum = 0.0
         details = ToolAndRewardStats()
         retriever = getattr(self.agent, "retriever", None)
@@ -137,6 +137,11 @@ class RoundSampler:
                     continue
             rewards = torch.stack([g.rewards for g in groups])  # [n, G] what the advantages use
             keep = self.keep_filter(torch.stack([g.outcomes for g in groups]))  # Eq. 9 tests the 0/1 outcomes
+            # a failed episode (agent error, timeout) has no outcome: its group could pass as mixed and give the
+            # others advantages from a crash, so it is dropped before the filter's verdict counts
+            measured = torch.tensor([not g.failed for g in groups])
+            failed += int((~measured).sum())
+            keep = keep & measured
             for group, keep_it in zip(groups, keep.tolist()):
                 n_tok = sum(t.num_generated_tokens for t in group.trajectories)
                 tokens += n_tok
@@ -160,6 +165,7 @@ class RoundSampler:
             "rollout/keep_rate": passed / max(sampled, 1),  # filter pass rate; surplus groups count as passed
             "rollout/groups_kept": float(len(kept)),
             "rollout/groups_sampled": float(sampled),
+            "rollout/groups_failed": float(failed),  # dropped: an episode failed outside the policy (no outcome)
             "rollout/engine_calls": float(calls),
             "rollout/wasted_token_share": 1.0 - kept_tokens / max(tokens, 1),
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),

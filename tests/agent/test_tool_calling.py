@@ -77,6 +77,7 @@ def test_masks_decode_to_model_turns_and_match_chat_template(qwen_tokenizer, ret
     assert not any(t in special for t, m in zip(traj.response_ids, traj.response_mask) if m == 1)
     assert (traj.reward, traj.answer, traj.num_turns, traj.num_tool_calls) == (1.0, "Paris", 2, 1)
     assert (traj.num_invalid_calls, traj.truncated, traj.policy_version) == (0, False, 7)
+    assert traj.stop_reason == "finished"  # every episode ends with a named reason
     assert traj.engine_logprobs == [0.0] * len(traj.response_ids)
     assert traj.response_text == qwen_tokenizer.decode(traj.response_ids)
 
@@ -143,6 +144,7 @@ def test_call_in_last_turn_ends_episode(qwen_tokenizer, retriever):
     result = agent.rollout([PARIS], group_size=1, policy_version=0)
     traj = result.groups[0].trajectories[0]
     assert (traj.num_turns, traj.num_tool_calls, traj.num_invalid_calls, traj.truncated) == (2, 1, 1, True)
+    assert traj.stop_reason == "max_turns"
     assert result.stats[f"invalid/{parsing.NO_TOOL}/{parsing.CALL_AFTER_LAST_TURN}"] == 1.0
     assert "one turn left" in env_turns(qwen_tokenizer, traj)[0]
     assert traj.response_mask[-1] == 1 and traj.reward == 0.0 and traj.answer is None
@@ -172,6 +174,7 @@ def test_observation_truncated_and_total_length_capped(qwen_tokenizer, retriever
     traj = capped.rollout([PARIS], group_size=1, policy_version=0).groups[0].trajectories[0]
     assert len(traj.prompt_ids) + len(traj.response_ids) == prompt_len + 10
     assert traj.truncated and set(traj.response_mask) == {1} and traj.num_turns == 1
+    assert traj.stop_reason == "max_tokens"
 
 
 def test_answer_inside_retrieved_document_does_not_score(qwen_tokenizer, retriever):

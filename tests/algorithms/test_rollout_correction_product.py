@@ -169,3 +169,32 @@ def test_the_effective_sample_size_does_not_depend_on_the_weights_scale():
     assert float(effective_sample_size(tiny)) == pytest.approx(1.0)
     uneven = torch.tensor([1.0, 0.0, 0.0, 0.0]) * math.exp(-60.0)
     assert float(effective_sample_size(uneven)) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("mode", ["seq_prod_tis", "seq_prod_mis", "seq_prod_rs", "seq_tis", "seq_mis", "seq_rs"])
+def test_a_split_episode_has_one_importance_weight_over_all_its_tokens(mode: str) -> None:
+    """Issue 52 (4): an episode trained as two samples (log-ratio sums −1.0 over 2 tokens and +0.5 over 1 token) gets
+    the episode's weight on both: S = −0.5 over 3 tokens, P = e^−0.5 = 0.607, ρ = e^(−0.5/3) = 0.846. Before, each
+    sample was weighed alone: e^−1.0 = 0.37 and e^0.5 = 1.65. A third row, an unsplit episode, keeps its own."""
+    old = torch.tensor([[-1.5, -1.5, 0.0], [-0.5, 0.0, 0.0], [-0.2, -0.2, 0.0]])
+    engine = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, 0.0, 0.0], [-0.1, -0.1, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    episodes = torch.tensor([4, 4, 9])
+    weights, stats = correction_weights(old, engine, mask, mode, low=0.5, high=2.0, episodes=episodes)
+    product, geometric = math.exp(-0.5), math.exp(-0.5 / 3)
+    by_hand = {
+        "seq_prod_tis": (product, math.exp(-0.2)),
+        "seq_prod_mis": (product, math.exp(-0.2)),
+        "seq_prod_rs": (1.0, 1.0),
+        "seq_tis": (geometric, math.exp(-0.1)),
+        "seq_mis": (geometric, math.exp(-0.1)),
+        "seq_rs": (1.0, 1.0),
+    }[mode]
+    expected = torch.tensor([[by_hand[0]] * 2 + [0.0], [by_hand[0], 0.0, 0.0], [by_hand[1]] * 2 + [0.0]])
+    torch.testing.assert_close(weights, expected)
+    # one sample of the estimate per episode: two episodes, not three rows
+    w = torch.tensor(by_hand, dtype=torch.float64)
+    assert float(stats["ess"]) == pytest.approx(float(w.sum() ** 2 / (2 * w.square().sum())), rel=1e-5)
+    alone, _ = correction_weights(old, engine, mask, mode, low=0.5, high=2.0)  # without episodes: row by row
+    if mode == "seq_prod_tis":
+        assert alone[0, 0] == pytest.approx(math.exp(-1.0)) and alone[1, 0] == pytest.approx(math.exp(0.5))

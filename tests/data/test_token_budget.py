@@ -26,7 +26,7 @@ def test_split_to_halves_the_largest_part_until_the_count():
     parts = [[0], [1, 2], [3, 4, 5, 6]]  # padded 30, 24, 36
     assert split_to(parts, lengths, 4) == [[0], [1, 2], [3, 4], [5, 6]]
     assert split_to(parts, lengths, 3) == parts
-    with pytest.raises(ValueError, match="cannot split 7 sequences into 8"):
+    with pytest.raises(ValueError, match="cannot split 7 episodes into 8"):
         split_to(parts, lengths, 8)
 
 

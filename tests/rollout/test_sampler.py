@@ -268,3 +268,35 @@ def test_tool_and_reward_statistics_add_up_over_engine_calls():
             "rollout/tool/search/noise": 0.2,  # reported by the first call only: its mean, not diluted
         }
     )
+
+
+@pytest.mark.parametrize("reason", ["agent_error", "agent_timeout"])
+def test_a_group_with_a_failed_episode_is_dropped_before_the_filter(reason):
+    """Issue 52 (5): an all-correct group of 5 whose fifth episode crashed (a masked stub, outcome 0) looked mixed, and
+    its 4 successes got +0.447 each from the crash. A failed episode has no outcome: its group is dropped (counted),
+    the round is filled with groups whose outcomes were all measured."""
+
+    class CrashingAgent(FakeAgent):
+        def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
+            result = super().rollout(items, group_size, policy_version, greedy, seed)
+            for group in result.groups:
+                if int(group.item.id) % 2 == 0:  # all-correct groups (not multiples of 3) turn "mixed" by a crash
+                    stub = Trajectory([1], [], [], [], reward=0.0, outcome=0.0, truncated=True, stop_reason=reason)
+                    group.trajectories[-1] = stub
+            return result
+
+    agent = CrashingAgent()
+    env = RoundSampler(agent, AlgorithmConfig(group_size=5, batch_groups=4))
+    groups, stats = env.sample_round(PromptSampler(ITEMS, seed=0), policy_version=0, seed=0)
+    assert len(groups) == 4 and not any(g.failed for g in groups)
+    assert all(int(g.item.id) % 3 == 0 and int(g.item.id) % 2 == 1 for g in groups)  # mixed by their outcomes alone
+    assert stats["rollout/groups_failed"] == sum(int(i) % 2 == 0 for i in map(str, agent.ids))
+    assert stats["rollout/groups_failed"] > 0
+
+
+def test_stop_reasons_are_named_and_only_failures_count_as_failed():
+    from dspo.types import FAILED_STOP_REASONS, STOP_REASONS
+
+    assert set(STOP_REASONS) > FAILED_STOP_REASONS
+    for reason in STOP_REASONS:
+        assert Trajectory([1], [2], [1], [0.0], stop_reason=reason).failed == (reason in FAILED_STOP_REASONS)

@@ -105,8 +105,15 @@ class Episode:
     answer: Any = None
     error: str | None = None  # the agent failed (exception, timeout, bad answer): a masked stub
     truncated: bool = False  # a budget ran out (turns or tokens)
+    stop_reason: str = ""  # which budget ("max_turns", "max_tokens"); see `end_reason`
     done: bool = False
     prefix_breaks: int = 0  # calls that extended none of the episode's samples
+
+    def end_reason(self) -> str:
+        """Why the episode ended (dspo.types.STOP_REASONS): the agent's failure, a budget, or the agent finished."""
+        if self.error is not None:
+            return "agent_timeout" if self.error.startswith("TimeoutError") else "agent_error"
+        return self.stop_reason or "finished"
 
     @property
     def last_ids(self) -> list[int] | None:

@@ -68,12 +68,12 @@ class Generator:
         cfg = self.config
         self.policy.check(request)
         if len(episode.calls) >= cfg.max_turns:
-            episode.truncated = True
+            episode.truncated, episode.stop_reason = True, "max_turns"
             raise RequestError(400, f"turn budget spent: rollout.agent.max_turns={cfg.max_turns} calls per episode")
         prompt = self._prompt(episode, request)
         room = cfg.max_total_tokens - len(prompt)
         if room < 1:
-            episode.truncated = True
+            episode.truncated, episode.stop_reason = True, "max_tokens"
             raise RequestError(
                 400,
                 f"context budget spent: the prompt has {len(prompt)} tokens and rollout.agent.max_total_tokens="

@@ -2,7 +2,9 @@
 every other sample (a break or a branch, `dspo.agent.endpoint.episodes`) as a `Segment` trained with its advantage.
 
 An episode whose agent failed is a masked stub: its first prompt (or the question's tokens when it made no call)
-with no response, reward 0 and outcome 0, so the group keeps G members and nothing of it is trained.
+with no response, reward 0, outcome 0 and a failed `stop_reason` ("agent_error" / "agent_timeout"): nothing of it is
+trained, and `RoundSampler` drops its group before the filter (a crash is no outcome; the group could otherwise pass
+as mixed and give the others advantages from it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def episode_trajectory(ep: Episode, result: RewardResult, policy_version: int, t
         "num_invalid_calls": sum(ep.invalid.values()),
         "tool_calls": dict(ep.tool_calls),
         "policy_version": policy_version,
+        "stop_reason": ep.end_reason(),
     }
     if ep.error is not None:
         prompt = ep.calls[0].prompt_ids if ep.calls else tokenizer.encode(ep.item.question, add_special_tokens=False)
