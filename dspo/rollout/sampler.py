@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
+from dspo.agent.accounting import CALL_STAT_KINDS
 from dspo.agent.partial import CarriedGroup, token_staleness
+from dspo.agent.stats import Kind, kind_of
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.rounds import PromptSampler
 from dspo.types import RolloutGroup
@@ -35,26 +37,26 @@ class SamplingExhausted(RuntimeError):
 
 
 class ToolAndRewardStats:
-    """The environment's per-tool and per-reward-component statistics of a round, over its engine calls: counts
+    """The environment's per-tool and per-reward-component statistics of a round, folded over its engine calls by
+    each key's declared kind (`dspo.agent.stats`, `kinds`: the agent's `stat_kinds`): counts
     (`rollout/invalid/<tool>/<kind>`, `rollout/tool_errors/<tool>`, the endpoint's `rollout/prefix_breaks` and
     `rollout/agent_errors`, `rollout/compactions`) add up, means (`rollout/calls/<tool>`, `rollout/samples_per_episode`,
     `reward/<component>`, `rollout/tool/<tool>/<metric>`) are weighted by the trajectories of the calls that
-    reported them."""
+    reported them; call-only figures are left out (the round computes its own); an undeclared key is kept as a
+    mean."""
 
-    # prefix_breaks and agent_errors: an agent behind the endpoint; compactions: rollout.agent.overflow=compact
-    SUMS = ("invalid/", "tool_errors/", "prefix_breaks", "agent_errors", "compactions")
-    MEANS = ("calls/", "reward/", "tool/", "samples_per_episode")
-
-    def __init__(self) -> None:
+    def __init__(self, kinds: Mapping[str, Kind] = CALL_STAT_KINDS) -> None:
+        self.kinds = kinds
         self.sums: dict[str, float] = {}
         self.weighted: dict[str, float] = {}
         self.weights: dict[str, int] = {}
 
     def add(self, stats: dict[str, float], trajectories: int) -> None:
         for key, value in stats.items():
-            if key.startswith(self.SUMS):
+            kind = kind_of(key, self.kinds)
+            if kind is Kind.SUM:
                 self.sums[key] = self.sums.get(key, 0.0) + value
-            elif key.startswith(self.MEANS):
+            elif kind is Kind.MEAN:
                 self.weighted[key] = self.weighted.get(key, 0.0) + value * trajectories
                 self.weights[key] = self.weights.get(key, 0) + trajectories
 
@@ -105,7 +107,7 @@ class RoundSampler:
         kept: list[RolloutGroup] = []
         sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = 0
         reward_sum = 0.0
-        details = ToolAndRewardStats()
+        details = ToolAndRewardStats(getattr(self.agent, "stat_kinds", CALL_STAT_KINDS))
         retriever = getattr(self.agent, "retriever", None)
         retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
         start = time.perf_counter()
