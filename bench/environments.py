@@ -79,7 +79,7 @@ SIGNALS = (
     "reward/knowledge_boundary",
     "reward/right_tool",
     "rollout/tool/search/noise_probability",
-    "rollout/truncated_frac",
+    "rollout/truncated_share",
     "rollout/compactions",
     "rollout/time_s",
     "rollout/trainer_wait_s",

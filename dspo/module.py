@@ -33,7 +33,7 @@ from dspo.algorithms.losses import kl_penalty
 from dspo.algorithms.rollout_correction import correction_weights
 from dspo.data.datamodule import EvalSlot, RoundSlot
 from dspo.metric_collections import answer_metrics
-from dspo.models import ModelConfig, load_causal_lm
+from dspo.models import ModelConfig, load_causal_lm, lora
 from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs
 from dspo.models.lora import adapters_disabled, add_adapters, check_same_lora, is_adapter_key, lora_config
@@ -169,6 +169,8 @@ class DSPOModule(pl.LightningModule):
         for key in [k for k in state if k.startswith("reference.") or self._frozen_base_key(k)]:
             del state[key]
         checkpoint["dspo"] = {"model_dir": self.model_cfg.path, "weights_version": self.weights_version}
+        if self.model_cfg.lora is not None:  # the adapters hold only on this base: resume compares (check_same_base)
+            checkpoint["dspo"]["base_digest"] = lora.base_digest(self.model_cfg.path)
         if self.run_record is not None:  # what dspo-eval / dspo-rollout adopt from this checkpoint (dspo.record)
             checkpoint["dspo"]["run"] = self.run_record
 
@@ -180,6 +182,8 @@ class DSPOModule(pl.LightningModule):
         saved = (checkpoint.get("hyper_parameters") or {}).get("model")
         if isinstance(saved, dict):  # the state dict loads non-strictly: a LoRA mismatch would pass in silence
             check_same_lora(lora_config(saved.get("lora")), self.model_cfg.lora)
+        if self.model_cfg.lora is not None:
+            lora.check_same_base(checkpoint.get("dspo") or {}, self.model_cfg.path)
         self.weights_version = int(checkpoint.get("dspo", {}).get("weights_version", checkpoint.get("global_step", 0)))
 
     # ----------------------------------------------------------------------------------------------- train

@@ -6,6 +6,8 @@ is a plain merged model with the adapter folder beside it."""
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -217,3 +219,32 @@ def test_a_checkpoint_resumes_only_into_the_same_kind_of_training(lm_dir):
         module(LORA).on_load_checkpoint(full_ckpt)
     with pytest.raises(ValueError, match="resume with the checkpoint's model.lora"):
         module({"r": 8}).on_load_checkpoint(lora_ckpt)
+
+
+def test_a_lora_checkpoint_resumes_only_on_the_base_it_was_trained_on(lm_dir, tmp_path, caplog):
+    """Issue 52 (7): the frozen base is not in the checkpoint, it is reloaded from model.path: another base there would
+    carry the adapters (and be the KL reference) without a word. The checkpoint stores the base's weight digest; a
+    copy of the same base resumes, other weights are refused with model.path and the way out named."""
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.models.lora import base_digest
+    from dspo.module import OptimizerConfig
+
+    def module(path):
+        return DSPOModule(ModelConfig(path=path, lora=LORA), AlgorithmConfig(group_size=2, batch_groups=1),
+                          OptimizerConfig())  # fmt: skip
+
+    checkpoint = {"state_dict": {}, "hyper_parameters": {"model": {"path": lm_dir, "lora": LORA}}, "global_step": 3}
+    module(lm_dir).on_save_checkpoint(checkpoint)
+    assert checkpoint["dspo"]["base_digest"] == base_digest(lm_dir)
+    module(str(shutil.copytree(lm_dir, tmp_path / "moved"))).on_load_checkpoint(checkpoint)
+    other = build_toy_lm(str(tmp_path / "other"), seed=1)  # the same architecture, other weights
+    assert base_digest(other) != base_digest(lm_dir)
+    with pytest.raises(ValueError) as refused:
+        module(other).on_load_checkpoint(checkpoint)
+    message = str(refused.value)
+    assert f"trained on the base model at {lm_dir}" in message and f"model.path={other} holds other weights" in message
+    assert f"Resume with model.path={lm_dir}" in message and "ckpt_path=null" in message
+    del checkpoint["dspo"]["base_digest"]  # written before digests: the path differs, which is all that is known
+    with caplog.at_level(logging.WARNING, logger="dspo.models.lora"):
+        module(other).on_load_checkpoint(checkpoint)
+    assert "it has no weight digest" in caplog.text

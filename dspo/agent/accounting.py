@@ -7,8 +7,22 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dspo.agent.stats import Kind
 from dspo.env.tools import CallContext, ToolResult, ToolUnavailableError
 from dspo.types import QAItem, RolloutGroup, Trajectory
+
+# the kinds of `rollout_stats`' keys (dspo.agent.stats): the round adds the counts, weights the means by trajectories
+# and recomputes the call-only figures from its groups
+CALL_STAT_KINDS: dict[str, Kind] = {
+    **dict.fromkeys(("generation_s", "tool_s", "other_s", "generated_tokens", "tokens_per_s"), Kind.CALL),
+    **dict.fromkeys(("tool_calls_mean", "invalid_calls", "turns_mean", "response_len_mean"), Kind.CALL),
+    **dict.fromkeys(("truncated_share", "reward_mean"), Kind.CALL),
+    "invalid/": Kind.SUM,  # invalid/<tool>/<kind>
+    "tool_errors/": Kind.SUM,  # tool_errors/<tool>
+    "calls/": Kind.MEAN,  # calls/<tool>: per trajectory
+    "tool/": Kind.MEAN,  # tool/<tool>/<metric>: ToolResult.metrics
+    "reward/": Kind.MEAN,  # reward/<component>: logged without the rollout/ prefix
+}
 
 
 class ToolFailureError(RuntimeError):
@@ -58,8 +72,8 @@ def check_tool_errors(env: Any, episodes: Sequence[Any]) -> None:
 def rollout_stats(
     tools: Mapping[str, Any], trajectories: list[Trajectory], episodes: Sequence[Any], timers: dict, total: float
 ) -> dict:
-    """The statistics of one rollout call, logged as `rollout/<key>` (episodes: with `invalid`, `tool_errors`
-    counters and `turns`; timers: generation_s, tool_s, generated_tokens)."""
+    """The statistics of one rollout call, logged as `rollout/<key>` by their kinds (`CALL_STAT_KINDS`) (episodes:
+    with `invalid`, `tool_errors` counters and `turns`; timers: generation_s, tool_s, generated_tokens)."""
     n = max(len(trajectories), 1)
     invalid = sum((ep.invalid for ep in episodes), Counter())
     stats = {
@@ -72,7 +86,7 @@ def rollout_stats(
         "invalid_calls": float(sum(invalid.values())),
         "turns_mean": sum(t.num_turns for t in trajectories) / n,
         "response_len_mean": sum(len(t.response_ids) for t in trajectories) / n,
-        "truncated_frac": sum(t.truncated for t in trajectories) / n,
+        "truncated_share": sum(t.truncated for t in trajectories) / n,
         "reward_mean": sum(t.reward for t in trajectories) / n,
     }
     stats.update({f"invalid/{tool}/{kind}": float(count) for (tool, kind), count in invalid.items()})

@@ -21,8 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dspo.agent.stats import Kind
 from dspo.env.rewards import TurnRecord
 from dspo.env.search_tool import queries_from_arguments
+
+# what an agent that compacts reports per call (dspo.agent.stats): compactions made, training samples per episode
+STAT_KINDS = {"compactions": Kind.SUM, "samples_per_episode": Kind.MEAN}
 
 MAX_NOTE_TITLES = 5
 MAX_NOTE_QUERY_CHARS = 80

@@ -5,7 +5,9 @@ A round's generation may stop once it has enough finished groups (`stop`, asked 
 episodes have not all ended are returned as `CarriedGroup`s and continued by the next call, on whatever weights the
 engine holds then. Each token keeps the version that generated it (`Episode.versions`, `Trajectory.token_versions`),
 so the importance weights of `algorithm.rollout_correction` use, token by token, the engine logprob of the policy that
-sampled it; a group is dropped once its oldest token is more than `rollout.max_token_age` rounds old.
+sampled it; a group is dropped once its oldest token is more than `rollout.max_token_age` rounds old. The age bound
+selects on length: a group is trained only if all its episodes finish within it, so the longest episodes are the ones
+dropped, and no importance weight corrects that (docs/training.md#partial-rollouts).
 
 Departures from AReaL/slime (which interrupt generation mid-turn and recompute the KV cache): episodes are carried
 between turns, never inside one, so every model turn is sampled by one policy and the engine needs no interruption.
@@ -31,10 +33,21 @@ class CarriedGroup:
     prompt_index: int  # the prompt sampler's index (RolloutGroup.prompt_index once it finishes)
     episodes: list[Episode]  # [G]
     started: int  # the policy version that generated its first tokens
+    # of `generated_tokens`, those already counted in an earlier call's round (`rollout/generated_tokens` credits each
+    # token to the round that generated it, not to the one the group finishes in)
+    counted: int = 0
 
     @property
     def done(self) -> bool:
         return all(ep.done for ep in self.episodes)
+
+    def episode_tokens(self) -> list[int]:
+        """The model tokens each of its episodes generated so far (what `Trajectory.num_generated_tokens` counts)."""
+        return [sum(ep.mask) + sum(sum(s.response_mask) for s in ep.segments) for ep in self.episodes]
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.episode_tokens())
 
     def age(self, round_index: int) -> int:
         """Rounds between its oldest tokens' weights and round `round_index`."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from dspo.agent import compaction, parsing
 from dspo.agent.accounting import (  # noqa: F401  ToolFailureError, run_with_timeout: re-exported (old import paths)
+    CALL_STAT_KINDS,
     ToolFailureError,
     check_tool_errors,
     grouped,
@@ -61,6 +62,8 @@ class ToolCallingAgent:
         env: the environment: tools + reward.
         config: the episode's limits; or give them as keywords (`rollout.agent`'s settings: max_turns, ...).
     """
+
+    stat_kinds = {**CALL_STAT_KINDS, **compaction.STAT_KINDS}  # its rollout statistics' kinds (dspo.agent.stats)
 
     def __init__(
         self, engine: RolloutEngine, tokenizer: Any, env: Any, config: AgentConfig | None = None, **limits: Any

@@ -9,13 +9,17 @@ adapted projection `M` holds `M.base_layer.weight` (frozen), `M.lora_A.default.w
 - The engine gets merged weights, `M.weight = W + (alpha / r) * B @ A` (`merge_adapters`), under the names of the
   Hugging Face checkpoint it loaded; nothing in the engine knows about LoRA.
 - Checkpoints hold the adapters (and, through the optimizer, their AdamW state) only (`is_adapter_key`): the frozen
-  base is reloaded from `model.path` on resume.
+  base is reloaded from `model.path` on resume, which is refused when `model.path` holds other weights than the base
+  the adapters were trained on (`base_digest`, `check_same_base`).
 - The final export is a plain merged model, with the adapter folder beside it (`save_adapter`, peft's format).
+- Only `nn.Linear` targets (weight [out, in]) merge: a Conv1D target (peft's `fan_in_fan_out`) is refused in
+  `add_adapters`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping
@@ -32,6 +36,9 @@ ADAPTER = "default"  # peft's name of the one adapter dspo trains
 # Qwen2's attention and MLP projections (Llama, Mistral and Qwen3 name theirs the same)
 QWEN2_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_SUFFIX = "_adapter"  # the adapter folder beside an exported model: `model` -> `model_adapter`
+# the files of a model folder whose bytes `base_digest` samples (safetensors, or PyTorch's pickles)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+DIGEST_BLOCKS, DIGEST_BLOCK = 64, 4096
 
 
 @dataclass
@@ -101,6 +108,49 @@ def check_same_lora(saved: LoraConfig | None, current: LoraConfig | None) -> Non
     )
 
 
+def base_digest(model_dir: str | Path) -> str:
+    """A cheap fingerprint of the weights in `model_dir`: sha256 over each weight file's name, size and
+    `DIGEST_BLOCKS` blocks of `DIGEST_BLOCK` bytes spread evenly over it (the whole file when it is smaller). Reads
+    about 256 KiB a file, so it is taken at every checkpoint; any retraining of the base changes the sampled bytes."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(model_dir).expanduser().iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size};".encode())
+        with path.open("rb") as handle:
+            if size <= DIGEST_BLOCKS * DIGEST_BLOCK:
+                digest.update(handle.read())
+                continue
+            for i in range(DIGEST_BLOCKS):
+                handle.seek(i * (size - DIGEST_BLOCK) // (DIGEST_BLOCKS - 1))
+                digest.update(handle.read(DIGEST_BLOCK))
+    return digest.hexdigest()
+
+
+def check_same_base(saved: Mapping[str, Any], model_path: str) -> None:
+    """A LoRA checkpoint resumes only on the base it was trained on (`saved`: the checkpoint's `dspo` entry, with
+    `model_dir` and `base_digest`): its adapters mean nothing on other weights, and the KL reference (the base with the
+    adapters off) would be another model. The digest decides; a moved copy of the same base resumes."""
+    saved_dir, digest = saved.get("model_dir"), saved.get("base_digest")
+    if digest is None:  # a checkpoint from before digests were stored: only the path can be compared
+        if saved_dir is not None and Path(saved_dir).expanduser().resolve() != Path(model_path).expanduser().resolve():
+            log.warning(
+                "ckpt_path: this LoRA checkpoint was trained on the base model at %s and resumes on model.path=%s; "
+                "it has no weight digest, so nothing checks that they are the same weights",
+                saved_dir,
+                model_path,
+            )
+        return
+    current = base_digest(model_path)
+    if current != digest:
+        raise ValueError(
+            f"ckpt_path: this LoRA checkpoint's adapters were trained on the base model at {saved_dir} (weights "
+            f"{digest[:12]}), but model.path={model_path} holds other weights ({current[:12]}): the adapters, and the "
+            f"KL reference (the base with them off), would belong to another model. Resume with "
+            f"model.path={saved_dir} (or a copy of that folder), or start a new run on this base (ckpt_path=null)"
+        )
+
+
 def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Inject LoRA adapters into `model` in place and freeze everything else; returns `model`."""
     import peft
@@ -115,6 +165,15 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             f"model.lora.target_modules={cfg.target_modules}: {error}. Name the model's linear layers (for Qwen2: "
             f"{list(QWEN2_TARGETS)})"
         ) from error
+    # peft adapts a GPT-2 style Conv1D (weight [in, out]) with fan_in_fan_out; merge_adapters writes W + s * B @ A in
+    # nn.Linear's [out, in] layout, which for a square weight would be the transposed update, with no error
+    transposed = sorted(name for name, m in model.named_modules() if getattr(m, "fan_in_fan_out", False) is True)
+    if transposed:
+        raise ValueError(
+            f"model.lora.target_modules={cfg.target_modules} matches {transposed}, which store their weight as "
+            "[in, out] (a Conv1D, peft's fan_in_fan_out): dspo merges adapters into nn.Linear layers only. Name "
+            "nn.Linear modules in model.lora.target_modules, or train this model without LoRA (model.lora=null)"
+        )
     for name, param in model.named_parameters():  # over a bf16 base: fp32 adapters, or AdamW's steps round away
         if is_adapter_key(name) and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
@@ -211,6 +270,11 @@ def merge_adapters(
                     f"{module in scalings}"
                 )
             delta = found["B"].float() @ found["A"].float()
+            if delta.shape != tensor.shape:  # add_adapters refuses the layouts that would get here
+                raise ValueError(
+                    f"LoRA weights of {module}: B @ A is {list(delta.shape)}, the base weight {list(tensor.shape)}; "
+                    "only nn.Linear layers ([out, in]) can be merged"
+                )
             out.append((f"{module}.weight", (tensor.float() + scalings[module] * delta).to(tensor.dtype)))
         elif part.startswith("base."):
             out.append((f"{module}.{part.removeprefix('base.')}", tensor))

@@ -13,21 +13,29 @@ Partial rollouts (`max_token_age` set: `rollout.partial_rollouts`, in the engine
 after the turn in which enough of its groups finished and passed the filter; the groups still running are carried
 into the next call (of this round or the next), continued on the weights the engine holds then, and dropped once
 their oldest tokens are more than `max_token_age` rounds old (`dspo.agent.partial`). The in-flight groups of a call
-are what the over-sampling asks for, carried ones included.
+are what the over-sampling asks for, carried ones included. The age bound selects on length (the dropped groups are the
+long ones), so the round logs the dropped groups' episode length beside the kept ones'; each token counts in
+`rollout/generated_tokens` of the round that generated it (`CarriedGroup.counted`); `close` logs the groups still
+carried when the run ends.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
+from dspo.agent.accounting import CALL_STAT_KINDS
 from dspo.agent.partial import CarriedGroup, token_staleness
+from dspo.agent.stats import Kind, kind_of
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.rounds import PromptSampler
 from dspo.types import RolloutGroup
+
+log = logging.getLogger(__name__)
 
 
 class SamplingExhausted(RuntimeError):
@@ -35,26 +43,26 @@ class SamplingExhausted(RuntimeError):
 
 
 class ToolAndRewardStats:
-    """The environment's per-tool and per-reward-component statistics of a round, over its engine calls: counts
+    """The environment's per-tool and per-reward-component statistics of a round, folded over its engine calls by
+    each key's declared kind (`dspo.agent.stats`, `kinds`: the agent's `stat_kinds`): counts
     (`rollout/invalid/<tool>/<kind>`, `rollout/tool_errors/<tool>`, the endpoint's `rollout/prefix_breaks` and
     `rollout/agent_errors`, `rollout/compactions`) add up, means (`rollout/calls/<tool>`, `rollout/samples_per_episode`,
     `reward/<component>`, `rollout/tool/<tool>/<metric>`) are weighted by the trajectories of the calls that
-    reported them."""
+    reported them; call-only figures are left out (the round computes its own); an undeclared key is kept as a
+    mean."""
 
-    # prefix_breaks and agent_errors: an agent behind the endpoint; compactions: rollout.agent.overflow=compact
-    SUMS = ("invalid/", "tool_errors/", "prefix_breaks", "agent_errors", "compactions")
-    MEANS = ("calls/", "reward/", "tool/", "samples_per_episode")
-
-    def __init__(self) -> None:
+    def __init__(self, kinds: Mapping[str, Kind] = CALL_STAT_KINDS) -> None:
+        self.kinds = kinds
         self.sums: dict[str, float] = {}
         self.weighted: dict[str, float] = {}
         self.weights: dict[str, int] = {}
 
     def add(self, stats: dict[str, float], trajectories: int) -> None:
         for key, value in stats.items():
-            if key.startswith(self.SUMS):
+            kind = kind_of(key, self.kinds)
+            if kind is Kind.SUM:
                 self.sums[key] = self.sums.get(key, 0.0) + value
-            elif key.startswith(self.MEANS):
+            elif kind is Kind.MEAN:
                 self.weighted[key] = self.weighted.get(key, 0.0) + value * trajectories
                 self.weights[key] = self.weights.get(key, 0) + trajectories
 
@@ -101,11 +109,12 @@ class RoundSampler:
         """Fill this rank's share of B mixed groups of round `round_index` (default: `policy_version`, the
         synchronous round) sampled by the weights of `policy_version`. Returns the groups and rollout statistics."""
         round_index = policy_version if round_index is None else round_index
-        dropped = 0
+        dropped: list[CarriedGroup] = []  # dropped by age in this round (partial rollouts)
         kept: list[RolloutGroup] = []
         sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = failed = 0
+        resolved_tokens = 0  # of the groups that finished or were dropped in this round: what the waste is a share of
         reward_sum = 0.0
-        details = ToolAndRewardStats()
+        details = ToolAndRewardStats(getattr(self.agent, "stat_kinds", CALL_STAT_KINDS))
         retriever = getattr(self.agent, "retriever", None)
         retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
         start = time.perf_counter()
@@ -129,10 +138,13 @@ class RoundSampler:
                 groups, stats = result.groups, result.stats
                 for group, (index, _) in zip(groups, drawn):
                     group.prompt_index = index
+                tokens += sum(t.num_generated_tokens for group in groups for t in group.trajectories)
             else:
-                aged, aged_tokens = self._drop_aged(round_index)
-                dropped, tokens = dropped + aged, tokens + aged_tokens  # their tokens are wasted
-                groups, stats = self._partial_call(sampler, n_prompts, missing, policy_version, seed + calls)
+                aged = self._drop_aged(round_index)
+                dropped += aged
+                resolved_tokens += sum(group.generated_tokens for group in aged)  # wasted; counted when generated
+                groups, stats, generated = self._partial_call(sampler, n_prompts, missing, policy_version, seed + calls)
+                tokens += generated
                 if not groups:
                     continue
             rewards = torch.stack([g.rewards for g in groups])  # [n, G] what the advantages use
@@ -144,7 +156,7 @@ class RoundSampler:
             keep = keep & measured
             for group, keep_it in zip(groups, keep.tolist()):
                 n_tok = sum(t.num_generated_tokens for t in group.trajectories)
-                tokens += n_tok
+                resolved_tokens += n_tok
                 if keep_it and len(kept) < self.local_target:
                     kept.append(group)
                     kept_tokens += n_tok
@@ -167,32 +179,35 @@ class RoundSampler:
             "rollout/groups_sampled": float(sampled),
             "rollout/groups_failed": float(failed),  # dropped: an episode failed outside the policy (no outcome)
             "rollout/engine_calls": float(calls),
-            "rollout/wasted_token_share": 1.0 - kept_tokens / max(tokens, 1),
+            "rollout/wasted_token_share": 1.0 - kept_tokens / max(resolved_tokens, 1),
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/tool_calls_mean": tool_calls / max(trajectories, 1),
             "rollout/invalid_calls": float(invalid),
             "rollout/sampled_reward_mean": reward_sum / max(trajectories, 1),
             # sampled episodes that ran out of turns or tokens before an answer (deep questions, experiment=toy_deep)
             "rollout/truncated_share": truncated / max(trajectories, 1),
-            "rollout/generated_tokens": float(tokens),  # every sampled token, filtered-out groups included
+            # every token generated in this round, filtered-out groups included (with partial rollouts: the tokens of
+            # carried groups count in the round that generated them, not in the one they finish or are dropped in)
+            "rollout/generated_tokens": float(tokens),
             "rollout/time_s": elapsed,
             "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
             **details.result(),
         }
 
     # ------------------------------------------------------------------------------------------ partial rollouts
-    def _drop_aged(self, round_index: int) -> tuple[int, int]:
-        """Drop the carried groups whose oldest tokens are more than max_token_age rounds behind `round_index`;
-        returns how many, and the model tokens they had."""
+    def _drop_aged(self, round_index: int) -> list[CarriedGroup]:
+        """Drop the carried groups whose oldest tokens are more than max_token_age rounds behind `round_index`, and
+        return them."""
         aged = [group for group in self.carried if group.age(round_index) > self.max_token_age]
         self.carried = [group for group in self.carried if group.age(round_index) <= self.max_token_age]
-        return len(aged), sum(sum(ep.mask) for group in aged for ep in group.episodes)
+        return aged
 
     def _partial_call(
         self, sampler: PromptSampler, n_prompts: int, missing: int, policy_version: int, seed: int
-    ) -> tuple[list[RolloutGroup], dict]:
+    ) -> tuple[list[RolloutGroup], dict, int]:
         """One resumable call: the carried groups and new prompts up to `n_prompts` in flight, stopped after the turn
-        in which `missing` finished groups passed the filter."""
+        in which `missing` finished groups passed the filter. Returns the finished groups, the call's statistics and
+        the model tokens it generated (those of the groups still carried are marked counted)."""
         drawn = sampler.take(n_prompts - len(self.carried)) if n_prompts > len(self.carried) else []
         need = missing
 
@@ -201,24 +216,49 @@ class RoundSampler:
             need -= int(self.keep_filter(torch.stack([g.outcomes for g in done])).sum())
             return need <= 0
 
+        counted = sum(group.counted for group in self.carried)  # each carried group either finishes or stays carried
         result = self.agent.rollout_partial(
             self.carried, list(drawn), self.spec.group_size, policy_version, seed, enough
         )
         self.carried = list(result.carried)
-        return result.groups, result.stats
+        for group in self.carried:
+            group.counted = group.generated_tokens
+        finished = sum(t.num_generated_tokens for group in result.groups for t in group.trajectories)
+        return result.groups, result.stats, finished + sum(group.counted for group in self.carried) - counted
 
-    def _partial_stats(self, kept: list[RolloutGroup], round_index: int, dropped: int) -> dict[str, float]:
+    def _partial_stats(
+        self, kept: list[RolloutGroup], round_index: int, dropped: list[CarriedGroup]
+    ) -> dict[str, float]:
         """rollout/partial_share (kept trajectories generated by more than one policy version), the staleness of
-        their trained tokens (mean, max, and the share at each age 0..max_token_age), carried and dropped groups."""
+        their trained tokens (mean, max, and the share at each age 0..max_token_age), carried and dropped groups, and
+        the episodes' lengths (model tokens) of the kept and the dropped groups: the age bound drops the longest."""
         trajectories = [t for g in kept for t in g.trajectories]
         ages = token_staleness(kept, round_index)
         stats = {
             "rollout/partial_share": sum(bool(t.token_versions) for t in trajectories) / max(len(trajectories), 1),
             "rollout/carried_groups": float(len(self.carried)),
-            "rollout/carried_dropped": float(dropped),
+            "rollout/carried_dropped": float(len(dropped)),
             "rollout/token_staleness_mean": sum(ages) / max(len(ages), 1),
             "rollout/token_staleness_max": float(max(ages, default=0)),
+            "rollout/kept_len_mean": sum(t.num_generated_tokens for t in trajectories) / max(len(trajectories), 1),
         }
+        if dropped:  # a mean over no episode would read as length 0
+            lengths = [n for group in dropped for n in group.episode_tokens()]
+            stats["rollout/dropped_len_mean"] = sum(lengths) / len(lengths)
         for age in range(self.max_token_age + 1):
             stats[f"rollout/token_staleness/{age}"] = ages.count(age) / max(len(ages), 1)
         return stats
+
+    def close(self) -> tuple[int, int]:
+        """The run is over: the groups still carried are never trained. Logs how many there are and the model tokens
+        they had (a warning, when there are any), and returns both."""
+        groups, tokens = len(self.carried), sum(group.generated_tokens for group in self.carried)
+        if groups:
+            log.warning(
+                "partial rollouts: %d groups (%d generated tokens) were still carried when the run ended; they are "
+                "never trained (docs/training.md#partial-rollouts)",
+                groups,
+                tokens,
+            )
+        self.carried = []
+        return groups, tokens

@@ -177,6 +177,7 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
         side = EngineSide(spec, sampler, keep_rate, first_round, channels)
         results.put(Ready(os.getpid(), side.credit))
         side.run()
+        side.round_sampler.close()  # partial rollouts: says how many carried groups go untrained
         # rounds nobody will take may fill the pipe: without this, exiting waits for the trainer to read them
         results.cancel_join_thread()
     except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint

@@ -5,6 +5,7 @@ and engine logprob kept; RoundSampler's carrying, age bound and statistics, by h
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -151,6 +152,80 @@ def test_round_sampler_drops_carried_groups_older_than_the_bound(qwen_tokenizer,
     assert stats["rollout/carried_dropped"] == 3.0  # their oldest tokens: 5 rounds behind > max_token_age 2
     assert kept and all(t.policy_version == 5 and not t.token_versions for g in kept for t in g.trajectories)
     assert stats["rollout/wasted_token_share"] > 0  # the dropped groups' tokens are counted as sampled
+
+
+def model_tokens(group) -> list[int]:
+    """A carried group's model tokens so far, per episode."""
+    return [sum(ep.mask) for ep in group.episodes]
+
+
+def spy_on(agent) -> tuple[list[float], list[RolloutGroup]]:
+    """From now on, per resumable call: the tokens the engine generated (the agent's count), the groups that
+    finished (kept or not)."""
+    by_engine: list[float] = []
+    finished: list[RolloutGroup] = []
+    call = agent.rollout_partial
+
+    def counting(*args, **kwargs):
+        result = call(*args, **kwargs)
+        by_engine.append(result.stats["generated_tokens"])
+        finished.extend(result.groups)
+        return result
+
+    agent.rollout_partial = counting
+    return by_engine, finished
+
+
+def test_each_generated_token_counts_in_the_round_that_generated_it(qwen_tokenizer, retriever) -> None:
+    """Issue 52 (6): rollout/generated_tokens (and tokens_per_s) credit a carried group's tokens to the rounds that
+    generated them, not to the round it finishes in; over the rounds every token counts once, as the engine made it."""
+    agent, rounds, sampler, kept, first = first_round(qwen_tokenizer, retriever)
+    carried_then = sum(sum(model_tokens(group)) for group in rounds.carried)
+    assert carried_then > 0  # their first turn was generated in round 1
+    finished = sum(t.num_generated_tokens for g in kept for t in g.trajectories)
+    assert first["rollout/generated_tokens"] == finished + carried_then
+    assert first["rollout/tokens_per_s"] == pytest.approx(first["rollout/generated_tokens"] / first["rollout/time_s"])
+    by_engine, finished_in_calls = spy_on(agent)
+    agent.engine.version = 2
+    rounds.keep_rate_estimate = 1.0
+    _, second = rounds.sample_round(sampler, policy_version=2, seed=1, round_index=2)
+    assert second["rollout/generated_tokens"] == sum(by_engine)  # no turn was cut: what the engine generated
+    now = sum(t.num_generated_tokens for g in finished_in_calls for t in g.trajectories)
+    now += sum(sum(model_tokens(group)) for group in rounds.carried)
+    assert second["rollout/generated_tokens"] == now - carried_then  # round 1's turns are not counted again
+    rate = second["rollout/generated_tokens"] / second["rollout/time_s"]
+    assert second["rollout/tokens_per_s"] == pytest.approx(rate)
+
+
+def test_dropped_groups_are_logged_with_their_length_against_the_kept_ones(qwen_tokenizer, retriever) -> None:
+    """Issue 52 (6): the age bound drops the groups that are still running, the long ones: rollout/dropped_len_mean
+    against rollout/kept_len_mean (model tokens per episode); their tokens were counted in the round that made them."""
+    agent, rounds, sampler, kept, first = first_round(qwen_tokenizer, retriever)
+    assert "rollout/dropped_len_mean" not in first  # nothing dropped: no mean over no episode
+    assert first["rollout/kept_len_mean"] == sum(t.num_generated_tokens for t in kept[0].trajectories) / 2
+    lengths = [n for group in rounds.carried for n in model_tokens(group)]
+    by_engine, finished = spy_on(agent)
+    agent.engine.version = 5
+    kept, stats = rounds.sample_round(sampler, policy_version=5, seed=2, round_index=5)
+    assert stats["rollout/carried_dropped"] == 3.0
+    assert stats["rollout/dropped_len_mean"] == sum(lengths) / 6
+    trajectories = [t for g in kept for t in g.trajectories]
+    assert stats["rollout/kept_len_mean"] == sum(t.num_generated_tokens for t in trajectories) / len(trajectories)
+    assert stats["rollout/generated_tokens"] == sum(by_engine)  # the dropped groups' round-1 tokens are not in it
+    resolved = sum(lengths) + sum(t.num_generated_tokens for g in finished for t in g.trajectories)
+    waste = 1 - sum(t.num_generated_tokens for t in trajectories) / resolved
+    assert stats["rollout/wasted_token_share"] == pytest.approx(waste)  # of the groups resolved in this round
+
+
+def test_the_groups_still_carried_at_the_end_are_counted(qwen_tokenizer, retriever, caplog) -> None:
+    """Issue 52 (6): the engine process closes its sampler when it stops: the carried groups, never trained, are
+    logged with their tokens."""
+    _, rounds, _, _, _ = first_round(qwen_tokenizer, retriever)
+    tokens = sum(sum(model_tokens(group)) for group in rounds.carried)
+    with caplog.at_level(logging.WARNING, logger="dspo.rollout.sampler"):
+        assert rounds.close() == (3, tokens)
+    assert f"3 groups ({tokens} generated tokens) were still carried when the run ended" in caplog.text
+    assert rounds.carried == [] and rounds.close() == (0, 0)
 
 
 def test_partial_rollouts_need_an_agent_that_can_carry() -> None:

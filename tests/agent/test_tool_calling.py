@@ -106,7 +106,7 @@ def test_batched_groups_one_search_per_turn(qwen_tokenizer, retriever):
     stats = result.stats
     assert stats["tool_calls_mean"] == 1.0 and stats["turns_mean"] == 2.0 and stats["invalid_calls"] == 0
     assert stats["generated_tokens"] == sum(t.num_generated_tokens for g in groups for t in g.trajectories)
-    for key in ("generation_s", "tool_s", "other_s", "tokens_per_s", "response_len_mean", "truncated_frac"):
+    for key in ("generation_s", "tool_s", "other_s", "tokens_per_s", "response_len_mean", "truncated_share"):
         assert key in stats
 
 

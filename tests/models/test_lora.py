@@ -137,6 +137,52 @@ def test_merge_is_the_identity_without_adapters_and_refuses_incomplete_ones():
         merge_adapters(incomplete, {"m": 1.0})
 
 
+def test_a_conv1d_target_is_refused_when_the_adapters_are_added():
+    """Issue 52 (7): peft adapts a GPT-2 Conv1D (weight [in, out]) with fan_in_fan_out, and merge_adapters adds B @ A in
+    nn.Linear's [out, in] layout: for the square attn.c_proj the engine would get W + s (B A) where the policy computes
+    with W + s (B A)^T, without an error. Refused when the adapters are added, naming the key."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=16))
+    assert model.transformer.h[0].attn.c_proj.weight.shape == (8, 8)
+    with pytest.raises(ValueError) as refused:
+        add_adapters(model, LoraConfig(r=2, alpha=4, target_modules=["attn.c_proj"]))
+    message = str(refused.value)
+    assert "model.lora.target_modules=['attn.c_proj'] matches ['transformer.h.0.attn.c_proj']" in message
+    assert "fan_in_fan_out" in message and "Name nn.Linear modules" in message
+
+
+def test_merge_by_hand_and_a_base_weight_of_another_layout_is_refused():
+    w, a, b = torch.eye(2), torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0], [0.0]])  # W [2, 2], A [1, 2], B [2, 1]
+    weights = [("m.base_layer.weight", w), ("m.lora_A.default.weight", a), ("m.lora_B.default.weight", b)]
+    merged = dict(merge_adapters(weights, {"m": 0.5}))
+    assert torch.equal(merged["m.weight"], torch.tensor([[1.5, 1.0], [0.0, 1.0]]))  # W + 0.5 [[1, 2], [0, 0]]
+    stored_in_out = [("m.base_layer.weight", torch.zeros(3, 2)), *weights[1:]]  # B @ A is [2, 2]: not this layout
+    stored_in_out[1] = ("m.lora_A.default.weight", torch.ones(1, 3))
+    with pytest.raises(ValueError, match=r"B @ A is \[2, 3\], the base weight \[3, 2\]"):
+        merge_adapters(stored_in_out, {"m": 1.0})
+
+
+def test_the_base_digest_samples_the_weight_files_only(tmp_path):
+    """Issue 52 (7): the digest a LoRA checkpoint stores of its base: the weight files' names, sizes and sampled bytes
+    (a large file is read in 64 blocks spread over it), not the other files of the folder."""
+    from dspo.models.lora import DIGEST_BLOCK, DIGEST_BLOCKS, base_digest
+
+    size = 3 * DIGEST_BLOCKS * DIGEST_BLOCK
+    (tmp_path / "model.safetensors").write_bytes(bytes(size))
+    (tmp_path / "config.json").write_text("{}")
+    first = base_digest(tmp_path)
+    (tmp_path / "config.json").write_text('{"changed": true}')
+    assert base_digest(tmp_path) == first
+    data = bytearray(size)
+    data[(DIGEST_BLOCKS // 2) * (size - DIGEST_BLOCK) // (DIGEST_BLOCKS - 1)] = 1  # a byte of a sampled block
+    (tmp_path / "model.safetensors").write_bytes(bytes(data))
+    changed = base_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "model.safetensors").rename(tmp_path / "other.safetensors")
+    assert base_digest(tmp_path) not in (first, changed)
+
+
 def test_the_adapter_folder_is_what_peft_loads(lm_dir, tmp_path):
     import peft
 

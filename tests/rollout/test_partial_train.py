@@ -20,7 +20,8 @@ def test_toy_deep_trains_with_partial_rollouts(run_train, short_default, tmp_pat
     (run,) = find_runs(outputs)
     scalars = load_scalars(run.dir)
     value = scalars.set_index("tag").value
-    for tag in ("rollout/partial_share", "rollout/carried_groups", "rollout/token_staleness/2"):
+    tags = ("rollout/partial_share", "rollout/carried_groups", "rollout/token_staleness/2", "rollout/kept_len_mean")
+    for tag in tags:
         assert tag in value.index, f"{tag} missing; logged: {sorted(set(scalars.tag))}"
     assert value["rollout/carried_groups"].max() > 0  # deep episodes: some groups outlast the round's generation
     assert value["rollout/partial_share"].max() > 0  # and finish on newer weights in a later round

@@ -1,8 +1,10 @@
+import logging
 import math
 
 import pytest
 
 from dspo.agent import AgentRollout
+from dspo.agent.stats import Kind
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.rollout.sampler import RoundSampler, SamplingExhausted
@@ -300,3 +302,34 @@ def test_stop_reasons_are_named_and_only_failures_count_as_failed():
     assert set(STOP_REASONS) > FAILED_STOP_REASONS
     for reason in STOP_REASONS:
         assert Trajectory([1], [2], [1], [0.0], stop_reason=reason).failed == (reason in FAILED_STOP_REASONS)
+
+
+def test_a_statistic_of_no_declared_kind_is_kept_as_a_mean_and_warned_about(caplog):
+    """Issue 52 (8): kinds are declared by the code that produces the statistic; a key no table declares is logged
+    (as a per-trajectory mean) with a warning naming it, never dropped."""
+    from dspo.rollout.sampler import ToolAndRewardStats
+
+    stats = ToolAndRewardStats()
+    with caplog.at_level(logging.WARNING, logger="dspo.agent.stats"):
+        stats.add({"undeclared_metric": 1.0, "generation_s": 9.0, "calls/search": 1.0}, 10)
+        stats.add({"undeclared_metric": 4.0}, 30)
+    assert stats.result() == pytest.approx(
+        {"rollout/undeclared_metric": (10 * 1.0 + 30 * 4.0) / 40, "rollout/calls/search": 1.0}
+    )  # generation_s is a call-only figure: the round has its own rollout/time_s
+    assert "'undeclared_metric' has no declared kind" in caplog.text and "stat_kinds" in caplog.text
+    assert "generation_s" not in caplog.text
+
+
+def test_an_agent_declares_the_kinds_of_its_own_statistics():
+    class CountingAgent(FakeAgent):
+        stat_kinds = {"searches_refused": Kind.SUM, "depth/": Kind.MEAN}
+
+        def rollout(self, items, group_size, policy_version, greedy=False, seed=None):
+            self.stats = {"searches_refused": 2.0, "depth/max": float(len(self.calls))}
+            return super().rollout(items, group_size, policy_version, greedy, seed)
+
+    agent = CountingAgent()
+    spec = AlgorithmConfig(group_size=2, batch_groups=2, filter="none", max_prompts_per_call=1)
+    _, stats = RoundSampler(agent, spec).sample_round(PromptSampler(ITEMS, seed=0), 0, seed=0)
+    assert agent.calls == [1, 1]
+    assert stats["rollout/searches_refused"] == 4.0 and stats["rollout/depth/max"] == 0.5  # calls 0 and 1, equal weight

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from dspo.agent.accounting import check_tool_errors, grouped, rollout_stats
+from dspo.agent.accounting import CALL_STAT_KINDS, check_tool_errors, grouped, rollout_stats
 from dspo.agent.config import AgentConfig
 from dspo.agent.endpoint.episodes import Episode
 from dspo.agent.endpoint.formats import FORMATS
@@ -35,6 +35,7 @@ from dspo.agent.endpoint.tools import EpisodeTools, run_tool_work
 from dspo.agent.endpoint.trajectories import episode_trajectory
 from dspo.agent.prompts import build_messages
 from dspo.agent.protocol import AgentRollout
+from dspo.agent.stats import Kind
 from dspo.env.rewards import EpisodeRecord
 from dspo.types import QAItem
 
@@ -52,6 +53,14 @@ class EndpointAgent:
         batch_wait_s: how long a queued request waits for episodes still running user code before its batch goes.
         episode_timeout_s: an episode running longer is an agent error.
     """
+
+    # its rollout statistics' kinds (dspo.agent.stats): rollout_stats' and the endpoint's own counts
+    stat_kinds = {
+        **CALL_STAT_KINDS,
+        "prefix_breaks": Kind.SUM,
+        "agent_errors": Kind.SUM,
+        "samples_per_episode": Kind.MEAN,
+    }
 
     def __init__(
         self,
