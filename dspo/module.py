@@ -321,6 +321,7 @@ class DSPOModule(pl.LightningModule):
             {
                 "train/reward_mean": float(rewards.mean()),
                 "train/response_tokens_mean": float(tokens_per_episode),
+                "train/samples_per_episode": len(heads) / max(int(heads.sum()), 1),  # > 1: some episode was split
                 "train/grad_norm": float(grad_norm),
                 "train/lr": lr,
                 "train/policy_version": float(slot.round_index),

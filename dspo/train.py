@@ -16,6 +16,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from dspo.combinations import check_combinations
 from dspo.resume import discard, move_into_run, resolve_ckpt_path
 from dspo.runtime import run_command
 from dspo.trust import import_modules
@@ -104,8 +105,9 @@ def _train(cfg: DictConfig) -> float | None:
 
     one_lightning_console()
 
-    import_modules(cfg.get("imports"))
+    import_modules(cfg.get("imports"))  # first: user objectives and modes exist for the checks
     check_round_alignment(cfg)
+    check_combinations(cfg)
     ckpt_path = _resume_in_place(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     prepare(cfg)

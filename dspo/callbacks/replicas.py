@@ -47,10 +47,13 @@ class ReplicaCheck(pl.Callback):
     def __init__(self, filename: str = "replicas.json") -> None:
         self.filename = filename
         self.sequences_per_step: list[int] = []  # this rank's trained sequences at each optimizer step
+        # and its forward/backward passes: each backward is a collective under DDP and FSDP, so ranks must agree
+        self.micro_batches_per_step: list[int] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         micro = getattr(batch, "micro_batches", None) or []
         self.sequences_per_step.append(sum(len(b) for b in micro))
+        self.micro_batches_per_step.append(len(micro))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size < 2:
@@ -62,10 +65,12 @@ class ReplicaCheck(pl.Callback):
         same_steps = bool((gathered["steps"] == gathered["steps"][0]).all())
         # the next tensors have one entry per step: gathered only when every rank has as many (else sizes differ)
         counts = torch.tensor(self.sequences_per_step if same_steps else [], dtype=torch.float64)
+        passes = torch.tensor(self.micro_batches_per_step if same_steps else [], dtype=torch.float64)
         fingerprint = torch.zeros(0, dtype=torch.float64) if sharded else parameter_fingerprint(policy).cpu()
-        for name, value in (("counts", counts), ("fingerprint", fingerprint)):
+        for name, value in (("counts", counts), ("passes", passes), ("fingerprint", fingerprint)):
             gathered[name] = pl_module.all_gather(value.to(pl_module.device)).cpu()  # [W, ...]
         same_params = sharded or bool((gathered["fingerprint"] == gathered["fingerprint"][0]).all())
+        same_steps = same_steps and bool((gathered["passes"] == gathered["passes"][0]).all())
         report = {
             "world_size": trainer.world_size,
             "sharded": sharded,
@@ -76,6 +81,7 @@ class ReplicaCheck(pl.Callback):
                     "rank": rank,
                     "global_step": int(gathered["steps"][rank][0]),
                     "sequences_per_step": [int(n) for n in gathered["counts"][rank]],
+                    "micro_batches_per_step": [int(n) for n in gathered["passes"][rank]],
                     "fingerprint_sum": float(gathered["fingerprint"][rank].sum()) if not sharded else None,
                 }
                 for rank in range(trainer.world_size)
