@@ -187,3 +187,56 @@ def test_a_records_env_agent_is_code_and_checked_like_a_target(tmp_path, monkeyp
         check_targets(mine, "env", (), lambda key: False, "dspo_run.json")
     check_targets(mine, "env", ("my_agents",), lambda key: False, "dspo_run.json")
     check_targets({"_target_": "dspo.env.Environment", "agent": None}, "env", (), lambda key: False, "dspo_run.json")
+
+
+# ---------------------------------------------------------------- issue 53 (1): names checked as Hydra would build them
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"_target_": "dspo.${oc.select:nope,trust.os.system}"}, "retriever._target_"),  # the review's, verbatim
+        ({"_target_": "dspo.${retriever.index}", "index": "trust.os.system"}, "retriever._target_"),
+        (
+            {
+                "_target_": "dspo.${oc.select:x,checkpointing.torch.load}",
+                "_args_": ["<folder>/extra.pt"],
+                "weights_only": False,
+            },
+            "retriever._target_",
+        ),
+        ({"_target_": "dspo.search.Retriever", "x": {"_target_": "${retriever.index}"}}, "retriever.x._target_"),
+    ],
+)
+def test_an_interpolated_target_is_refused(section, key) -> None:
+    """Before, the check read `dspo.${...}` as a name under dspo, `get_object` failed on it and the check passed:
+    Hydra then built what the interpolation resolved to (`dspo.trust.os.system` is `os.system`)."""
+    with pytest.raises(UntrustedRecordError, match=re.escape(f"dspo_run.json: {key}=") + ".* is interpolated"):
+        check_targets(section, "retriever", (), lambda key: False, "dspo_run.json")
+
+
+def test_an_interpolated_env_agent_and_a_records_imports_are_refused() -> None:
+    agent = {"_target_": "dspo.env.Environment", "agent": "${oc.select:x,os.system}"}
+    with pytest.raises(UntrustedRecordError, match=r"env\.agent=.* is interpolated"):
+        check_targets(agent, "env", (), lambda key: False, "dspo_run.json")
+    planted = {"_target_": "dspo.env.Environment", "imports": ["my_evil"]}
+    with pytest.raises(UntrustedRecordError, match=r"env\.imports=\['my_evil'\] names modules to import"):
+        check_targets(planted, "env", (), lambda key: False, "dspo_run.json")
+
+
+@pytest.mark.parametrize("target", ["dspo.no_such_module.Thing", "dspo.env.NoSuchClass", "dspo.${x}"])
+def test_a_name_that_does_not_resolve_is_refused(target) -> None:
+    """Fail closed: before, a name `get_object` could not find passed (`except: return True`)."""
+    assert not allowed_target(target)
+
+
+def test_the_planted_torch_load_record_is_refused_by_adopt(record) -> None:
+    planted = copy.deepcopy(record)
+    planted["config"]["retriever"] = {
+        "_target_": "dspo.${oc.select:x,checkpointing.torch.load}",
+        "_args_": ["/m/extra.pt"],
+        "weights_only": False,
+    }
+    cfg = compose_config("eval", ["model.path=/m"])
+    before = OmegaConf.to_yaml(cfg)
+    with pytest.raises(UntrustedRecordError, match=r"retriever\._target_=.* is interpolated"):
+        adopt(cfg, planted, ["model.path=/m"], "/m/dspo_run.json", EVAL_SECTIONS)
+    assert OmegaConf.to_yaml(cfg) == before
