@@ -373,3 +373,13 @@ def run_to_exit(
     for reader in readers:
         reader.join(10)
     return subprocess.CompletedProcess(cmd, process.returncode, "".join(lines["stdout"]), "".join(lines["stderr"]))
+
+
+def send_reply(sender: Any, message: Any, point: str | None = None) -> None:
+    """An engine process's reply and nothing else (`dspo.rollout.channel.ReplySender.put`), for the channel tests."""
+    sender.put(message, point=point)
+
+
+def midsize_agent(engine=None, tokenizer=None, env=None) -> BulkyAgent:
+    """`BulkyAgent` with rounds of a few hundred kB: more than a pipe holds, still trainable on the toy model."""
+    return BulkyAgent(extra_tokens=1_500)
