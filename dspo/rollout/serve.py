@@ -175,6 +175,10 @@ def _receiver_failed(results, text: str) -> None:
 def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> None:
     """Entry point of the engine process (spawned: nothing of the trainer's process state is inherited)."""
     results = channels[1]
+    # its own process group: whatever it starts (vLLM workers, tool pools, their children) ends with it, even once
+    # orphaned (`EngineProcess.close` kills the group)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     threading.Thread(target=_exit_with_the_trainer, args=(parent_alive(),), name="dspo-orphan", daemon=True).start()
     try:
         from dspo.console import quiet_console

@@ -56,5 +56,3 @@ def verified_header(secret: str, sequence: int, value: str) -> tuple[int, int, i
         )
     completed, version, changed = (int(v) for v in header.split(","))
     return completed, version, changed
-
-

@@ -25,9 +25,11 @@ Faults (issue 38): every wait on the other side is bounded by its liveness. The 
 `_POLL_S` slices, checking between them that the peer lives, so an engine process killed while it held the lock (an
 out-of-memory kill during a reload) ends the trainer's `send` with an error instead of a hang, and an engine process
 whose trainer was killed mid-send exits. Security (issue 39): the collective transports' TCPStore listens on a socket
-dspo binds to 127.0.0.1 itself (torch's own would listen on every interface), its keys live under a per-run secret
-(`PrefixStore`), and each push header carries an HMAC of that secret, which the engine process checks: a process on
-the same host without the secret can neither find the group's rendezvous nor forge a push.
+dspo binds to 127.0.0.1 itself (torch's own would listen on every interface), its key names are HMACs of a per-run
+secret (issue 53: any local process can list them), and each push header carries an HMAC of that secret, which the
+engine process checks: a process on the same host cannot sign a push or predict the next one's key
+(`dspo.rollout.store`). A trainer's broadcast waits in slices while its engine process lives, and a receiver thread
+that fails ends the engine process at once (`on_failure`), so neither side waits out the group's 24 h timeout.
 
 Departure from verl / TRL / prime-rl: they use vLLM's own NCCL communicator inside vLLM's workers; dspo's engine
 process owns its engine in-process, so a torch process group between the two processes is enough and one code path

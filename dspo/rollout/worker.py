@@ -41,7 +41,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import queue
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -178,6 +180,16 @@ def check_staleness(max_staleness: Any, engine_threads: Any, engine: Any) -> int
             "trainer updates, so it cannot sleep then. Set one of them back (docs/scaling.md)"
         )
     return max_staleness
+
+
+def end_group(pid: int) -> None:
+    """SIGKILL what is left of the engine process's group (it is its leader, `dspo.rollout.serve`): its children,
+    orphaned when it died mid-round, would keep their GPU memory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) != pid:  # not its own group (it died before making it): nothing of it to sweep
+            return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 class EngineProcess:
@@ -329,6 +341,7 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout_s)
+        end_group(self.process.pid)
         log.info("engine process %s ended (exit code %s)", self.pid, self.process.exitcode)
         atexit.unregister(self._end_at_exit)
         self.process = None
@@ -342,6 +355,8 @@ class EngineProcess:
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(2.0)
+        if self.process is not None:
+            end_group(self.process.pid)
 
     def _drain(self) -> None:
         with contextlib.suppress(Exception):
