@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import os
+import pickle
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -210,3 +211,39 @@ def check_checkpoint_owner(path: str | os.PathLike, key: str, allow_foreign: boo
             "a checkpoint folder's .metadata is a pickle, and unpickling it can run any code. If you trust where it "
             f"comes from, pass {FOREIGN_CHECKPOINT_KEY}=true"
         )
+    check_metadata(metadata, key)
+
+
+# What a distributed checkpoint's `.metadata` pickles: torch's checkpoint metadata classes, dtypes, sizes, a path.
+_METADATA_MODULES = ("torch.distributed.checkpoint.",)
+_METADATA_GLOBALS = frozenset(
+    {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        allowed = (module, name) in _METADATA_GLOBALS or module.startswith(_METADATA_MODULES)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a type of torch's checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def check_metadata(path: Path, key: str) -> None:
+    """Unpickle a folder checkpoint's `.metadata` with torch's own types only, before torch's reader unpickles it
+    whole (a plain `pickle.load`): a planted pickle is refused whoever owns the folder (downloaded, untarred)."""
+    try:
+        with open(path, "rb") as handle:
+            _MetadataUnpickler(handle).load()
+    except Exception as error:  # noqa: BLE001  anything but torch's metadata: refuse, naming why
+        raise ForeignCheckpointError(
+            f"{key}={path.parent}: its .metadata is not a torch checkpoint's metadata ({error}); unpickling it could "
+            "run any code, so nothing was loaded. Use a checkpoint dspo wrote"
+        ) from error

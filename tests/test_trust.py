@@ -117,7 +117,7 @@ def test_a_record_never_turns_trust_remote_code_on(record) -> None:
 def test_folder_checkpoints_of_another_user_need_an_explicit_opt_in(tmp_path, monkeypatch) -> None:
     folder = tmp_path / "last.ckpt"
     folder.mkdir()
-    (folder / ".metadata").write_bytes(b"a pickle")
+    (folder / ".metadata").write_bytes(b"}.")  # an empty dict's pickle: no type outside torch's metadata
     (tmp_path / "file.ckpt").write_bytes(b"weights")
     check_checkpoint_owner(folder, "ckpt_path")  # the user's own
     monkeypatch.setattr(dspo.trust, "_owner", lambda path: os.getuid() + 1)
@@ -240,3 +240,26 @@ def test_the_planted_torch_load_record_is_refused_by_adopt(record) -> None:
     with pytest.raises(UntrustedRecordError, match=r"retriever\._target_=.* is interpolated"):
         adopt(cfg, planted, ["model.path=/m"], "/m/dspo_run.json", EVAL_SECTIONS)
     assert OmegaConf.to_yaml(cfg) == before
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_planted_metadata_pickle_is_refused_even_in_the_users_own_folder(tmp_path) -> None:
+    """Issue 53 (5): a downloaded or untarred folder is the user's own; its `.metadata` used to reach torch's plain
+    `pickle.load`. Now it is read with torch's metadata types only; a real checkpoint's passes."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    planted = tmp_path / "planted.ckpt"
+    planted.mkdir()
+    (planted / ".metadata").write_bytes(pickle.dumps(_Planted()))
+    with pytest.raises(ForeignCheckpointError, match=r"ckpt_path=.*planted.ckpt: its .metadata is not .*posix.system"):
+        check_checkpoint_owner(planted, "ckpt_path")
+    real = tmp_path / "real.ckpt"
+    dcp.save({"w": torch.zeros(3, dtype=torch.bfloat16), "step": 3}, checkpoint_id=str(real), no_dist=True)
+    check_checkpoint_owner(real, "ckpt_path")
