@@ -409,3 +409,26 @@ def run_to_exit(
     for reader in readers:
         reader.join(10)
     return subprocess.CompletedProcess(cmd, process.returncode, "".join(lines["stdout"]), "".join(lines["stderr"]))
+
+
+def send_reply(sender: Any, message: Any, point: str | None = None) -> None:
+    """An engine process's reply and nothing else (`dspo.rollout.channel.ReplySender.put`), for the channel tests."""
+    sender.put(message, point=point)
+
+
+def midsize_agent(engine=None, tokenizer=None, env=None) -> BulkyAgent:
+    """`BulkyAgent` with rounds of a few hundred kB: more than a pipe holds, still trainable on the toy model."""
+    return BulkyAgent(extra_tokens=1_500)
+
+
+def child_agent(engine=None, tokenizer=None, env=None) -> SlowAgent:
+    """A tool's child process as a process pool or vLLM's executor would start one (a long sleep; its pid written to
+    `$DSPO_TEST_CHILD_PID`), then slow rounds: an engine process killed mid-round leaves it behind unless swept."""
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["DSPO_TEST_CHILD_PID"], "w") as handle:
+        handle.write(str(child.pid))
+    return SlowAgent(delay_s=60.0)

@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import os
+import pickle
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,8 @@ THIRD_PARTY_TARGETS = frozenset(
 PACKAGE = "dspo"
 # Keys that name a function to import and run, as a `_target_` does (`env.agent`: an agent written for the OpenAI API)
 CODE_KEYS = frozenset({"env.agent"})
+# A key, at any depth, that names modules to import: only the command line's `imports=` may (a record never does)
+IMPORT_KEY = "imports"
 FOREIGN_CHECKPOINT_KEY = "allow_foreign_checkpoint"
 
 
@@ -98,8 +101,8 @@ def allowed_target(target: Any, modules: Sequence[str] = ()) -> bool:
 
     try:
         found = get_object(target)  # imports only modules under dspo or under what the user imported
-    except Exception:  # noqa: BLE001  no such name: nothing can run, and Hydra names the target when it builds
-        return True
+    except Exception:  # noqa: BLE001  fail closed: a name that does not resolve here may resolve to anything later
+        return False
     module = getattr(found, "__module__", None)
     if not isinstance(module, str) or not (inspect.isclass(found) or inspect.isroutine(found)):
         return False
@@ -139,21 +142,38 @@ def check_targets(
     for key, node in _nodes(value, path):
         if overridden(key):
             continue
+        names_code = key.endswith("._target_") or (key in CODE_KEYS and node is not None)
+        if key.rsplit(".", 1)[-1] == IMPORT_KEY and node is not None:
+            raise UntrustedRecordError(
+                f"{source}: {key}={node!r} names modules to import, and a record is data, not code: nothing was built. "
+                "Pass imports=[...] on the command line if you trust them"
+            )
+        if names_code and _interpolated(node):
+            # the check would see one name and Hydra build another: `dspo.${oc.select:x,trust.os.system}`,
+            # `dspo.${retriever.index}` with index `trust.os.system` are both `os.system`
+            raise UntrustedRecordError(
+                f"{source}: {key}={node!r} is interpolated, and a record names its code literally: nothing was built. "
+                f"Set {key}=... (or the whole {path.split('.')[0]}=...) on the command line if you trust this model "
+                "folder"
+            )
         if _unsafe_interpolation(node):
             raise UntrustedRecordError(
                 f"{source}: {key}={node!r} calls a resolver, and a record is data, not code: nothing was built. A "
                 "record may refer to other keys (${a.b}, ${oc.select:a.b,default}) only; set "
                 f"{key}=... on the command line if you trust this model folder"
             )
-        names_code = key.endswith("._target_") or (key in CODE_KEYS and node is not None)
         if not names_code or allowed_target(node, modules):
             continue
         module = str(node).rsplit(".", 1)[0] if isinstance(node, str) and "." in node else "MODULE"
         raise UntrustedRecordError(
-            f"{source}: {key}={node!r} is not a target dspo ships, and a record is data, not code: nothing was built. "
-            f"If you trust this model folder, allow it with imports=[{module}], or set {key}=... (or the whole "
-            f"{path.split('.')[0]}=...) on the command line"
+            f"{source}: {key}={node!r} is not a target dspo ships (or does not exist in this dspo), and a record is "
+            f"data, not code: nothing was built. If you trust this model folder, allow it with imports=[{module}], or "
+            f"set {key}=... (or the whole {path.split('.')[0]}=...) on the command line"
         )
+
+
+def _interpolated(value: Any) -> bool:
+    return isinstance(value, str) and "${" in value
 
 
 def drop_remote_code(value: Any, path: str, overridden: Callable[[str], bool], source: str) -> list[str]:
@@ -191,3 +211,39 @@ def check_checkpoint_owner(path: str | os.PathLike, key: str, allow_foreign: boo
             "a checkpoint folder's .metadata is a pickle, and unpickling it can run any code. If you trust where it "
             f"comes from, pass {FOREIGN_CHECKPOINT_KEY}=true"
         )
+    check_metadata(metadata, key)
+
+
+# What a distributed checkpoint's `.metadata` pickles: torch's checkpoint metadata classes, dtypes, sizes, a path.
+_METADATA_MODULES = ("torch.distributed.checkpoint.",)
+_METADATA_GLOBALS = frozenset(
+    {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        allowed = (module, name) in _METADATA_GLOBALS or module.startswith(_METADATA_MODULES)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a type of torch's checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def check_metadata(path: Path, key: str) -> None:
+    """Unpickle a folder checkpoint's `.metadata` with torch's own types only, before torch's reader unpickles it
+    whole (a plain `pickle.load`): a planted pickle is refused whoever owns the folder (downloaded, untarred)."""
+    try:
+        with open(path, "rb") as handle:
+            _MetadataUnpickler(handle).load()
+    except Exception as error:  # noqa: BLE001  anything but torch's metadata: refuse, naming why
+        raise ForeignCheckpointError(
+            f"{key}={path.parent}: its .metadata is not a torch checkpoint's metadata ({error}); unpickling it could "
+            "run any code, so nothing was loaded. Use a checkpoint dspo wrote"
+        ) from error

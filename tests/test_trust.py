@@ -117,7 +117,7 @@ def test_a_record_never_turns_trust_remote_code_on(record) -> None:
 def test_folder_checkpoints_of_another_user_need_an_explicit_opt_in(tmp_path, monkeypatch) -> None:
     folder = tmp_path / "last.ckpt"
     folder.mkdir()
-    (folder / ".metadata").write_bytes(b"a pickle")
+    (folder / ".metadata").write_bytes(b"}.")  # an empty dict's pickle: no type outside torch's metadata
     (tmp_path / "file.ckpt").write_bytes(b"weights")
     check_checkpoint_owner(folder, "ckpt_path")  # the user's own
     monkeypatch.setattr(dspo.trust, "_owner", lambda path: os.getuid() + 1)
@@ -187,3 +187,79 @@ def test_a_records_env_agent_is_code_and_checked_like_a_target(tmp_path, monkeyp
         check_targets(mine, "env", (), lambda key: False, "dspo_run.json")
     check_targets(mine, "env", ("my_agents",), lambda key: False, "dspo_run.json")
     check_targets({"_target_": "dspo.env.Environment", "agent": None}, "env", (), lambda key: False, "dspo_run.json")
+
+
+# ---------------------------------------------------------------- issue 53 (1): names checked as Hydra would build them
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"_target_": "dspo.${oc.select:nope,trust.os.system}"}, "retriever._target_"),  # the review's, verbatim
+        ({"_target_": "dspo.${retriever.index}", "index": "trust.os.system"}, "retriever._target_"),
+        (
+            {
+                "_target_": "dspo.${oc.select:x,checkpointing.torch.load}",
+                "_args_": ["<folder>/extra.pt"],
+                "weights_only": False,
+            },
+            "retriever._target_",
+        ),
+        ({"_target_": "dspo.search.Retriever", "x": {"_target_": "${retriever.index}"}}, "retriever.x._target_"),
+    ],
+)
+def test_an_interpolated_target_is_refused(section, key) -> None:
+    """Before, the check read `dspo.${...}` as a name under dspo, `get_object` failed on it and the check passed:
+    Hydra then built what the interpolation resolved to (`dspo.trust.os.system` is `os.system`)."""
+    with pytest.raises(UntrustedRecordError, match=re.escape(f"dspo_run.json: {key}=") + ".* is interpolated"):
+        check_targets(section, "retriever", (), lambda key: False, "dspo_run.json")
+
+
+def test_an_interpolated_env_agent_and_a_records_imports_are_refused() -> None:
+    agent = {"_target_": "dspo.env.Environment", "agent": "${oc.select:x,os.system}"}
+    with pytest.raises(UntrustedRecordError, match=r"env\.agent=.* is interpolated"):
+        check_targets(agent, "env", (), lambda key: False, "dspo_run.json")
+    planted = {"_target_": "dspo.env.Environment", "imports": ["my_evil"]}
+    with pytest.raises(UntrustedRecordError, match=r"env\.imports=\['my_evil'\] names modules to import"):
+        check_targets(planted, "env", (), lambda key: False, "dspo_run.json")
+
+
+@pytest.mark.parametrize("target", ["dspo.no_such_module.Thing", "dspo.env.NoSuchClass", "dspo.${x}"])
+def test_a_name_that_does_not_resolve_is_refused(target) -> None:
+    """Fail closed: before, a name `get_object` could not find passed (`except: return True`)."""
+    assert not allowed_target(target)
+
+
+def test_the_planted_torch_load_record_is_refused_by_adopt(record) -> None:
+    planted = copy.deepcopy(record)
+    planted["config"]["retriever"] = {
+        "_target_": "dspo.${oc.select:x,checkpointing.torch.load}",
+        "_args_": ["/m/extra.pt"],
+        "weights_only": False,
+    }
+    cfg = compose_config("eval", ["model.path=/m"])
+    before = OmegaConf.to_yaml(cfg)
+    with pytest.raises(UntrustedRecordError, match=r"retriever\._target_=.* is interpolated"):
+        adopt(cfg, planted, ["model.path=/m"], "/m/dspo_run.json", EVAL_SECTIONS)
+    assert OmegaConf.to_yaml(cfg) == before
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_planted_metadata_pickle_is_refused_even_in_the_users_own_folder(tmp_path) -> None:
+    """Issue 53 (5): a downloaded or untarred folder is the user's own; its `.metadata` used to reach torch's plain
+    `pickle.load`. Now it is read with torch's metadata types only; a real checkpoint's passes."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    planted = tmp_path / "planted.ckpt"
+    planted.mkdir()
+    (planted / ".metadata").write_bytes(pickle.dumps(_Planted()))
+    with pytest.raises(ForeignCheckpointError, match=r"ckpt_path=.*planted.ckpt: its .metadata is not .*posix.system"):
+        check_checkpoint_owner(planted, "ckpt_path")
+    real = tmp_path / "real.ckpt"
+    dcp.save({"w": torch.zeros(3, dtype=torch.bfloat16), "step": 3}, checkpoint_id=str(real), no_dist=True)
+    check_checkpoint_owner(real, "ckpt_path")

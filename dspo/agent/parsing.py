@@ -10,9 +10,10 @@ Two formats, one loop (`AgentConfig.tag_format`), any tools (`dspo.env.tools`):
 
 Each error has a kind, counted per tool (`rollout/invalid/<tool>/<kind>`; `call` when no tool could be told).
 Nothing the model writes makes parsing raise (a property test throws random text and random JSON at it): a name that
-is not a string, JSON nested deeper than `MAX_JSON_DEPTH` or a number too long to read are invalid calls like the
-others. A tool's `prepare` reports bad arguments by raising `InvalidCall`; anything else it raises is that tool's bug
-and propagates.
+is not a string, JSON nested deeper than `MAX_JSON_DEPTH`, a number too long to read, or a string no text can carry
+(JSON's `"\ud800"`, a lone surrogate, or NUL: `bad_characters`, checked before any tool sees the call) are invalid
+calls like the others. A tool's `prepare` reports bad arguments by raising `InvalidCall`; anything else it raises is
+that tool's bug and propagates.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspo.env.search_tool import EMPTY_QUERY, QUERY_TOO_LONG, TOO_MANY_QUERIES  # noqa: F401  the search tool's kinds
-from dspo.env.tools import BAD_ARGUMENTS, InvalidCall  # noqa: F401  BAD_ARGUMENTS: a kind, counted like the others
+from dspo.env.tools import BAD_ARGUMENTS, BAD_CHARACTERS, InvalidCall, check_characters  # noqa: F401  kinds, counted
 
 # Error kinds, each counted separately in the rollout stats (the search tool adds its own: empty_query, ...).
 MISSING_OPEN_TAG = "missing_open_tag"
@@ -78,9 +79,15 @@ def _fail(tool: str, kind: str, message: str) -> ParsedCall:
     return ParsedCall(tool=tool, error_kind=kind, error=message)
 
 
+def prepare_call(tool: Any, arguments: Any) -> dict:
+    """`tool.prepare(arguments)`, after refusing characters nothing downstream can carry; raises InvalidCall."""
+    check_characters(arguments, tool.name)
+    return tool.prepare(arguments)
+
+
 def _prepared(tool: Any, arguments: Any) -> ParsedCall:
     try:
-        return ParsedCall(tool=tool.name, arguments=tool.prepare(arguments))
+        return ParsedCall(tool=tool.name, arguments=prepare_call(tool, arguments))
     except InvalidCall as invalid:
         return _fail(tool.name, invalid.kind, invalid.message)
 

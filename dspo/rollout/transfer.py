@@ -25,9 +25,11 @@ Faults (issue 38): every wait on the other side is bounded by its liveness. The 
 `_POLL_S` slices, checking between them that the peer lives, so an engine process killed while it held the lock (an
 out-of-memory kill during a reload) ends the trainer's `send` with an error instead of a hang, and an engine process
 whose trainer was killed mid-send exits. Security (issue 39): the collective transports' TCPStore listens on a socket
-dspo binds to 127.0.0.1 itself (torch's own would listen on every interface), its keys live under a per-run secret
-(`PrefixStore`), and each push header carries an HMAC of that secret, which the engine process checks: a process on
-the same host without the secret can neither find the group's rendezvous nor forge a push.
+dspo binds to 127.0.0.1 itself (torch's own would listen on every interface), its key names are HMACs of a per-run
+secret (issue 53: any local process can list them), and each push header carries an HMAC of that secret, which the
+engine process checks: a process on the same host cannot sign a push or predict the next one's key
+(`dspo.rollout.store`). A trainer's broadcast waits in slices while its engine process lives, and a receiver thread
+that fails ends the engine process at once (`on_failure`), so neither side waits out the group's 24 h timeout.
 
 Departure from verl / TRL / prime-rl: they use vLLM's own NCCL communicator inside vLLM's workers; dspo's engine
 process owns its engine in-process, so a torch process group between the two processes is enough and one code path
@@ -38,19 +40,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import hmac
 import logging
 import os
 import secrets
-import socket
 import threading
+import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from dspo.rollout.faults import fault_point
+from dspo.rollout.store import keyed_store, loopback_listener, push_key, sign, verified_header  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -234,12 +236,20 @@ class CollectiveTransfer:
             raise RuntimeError("rollout.weight_transfer=nccl: this torch build has no NCCL (a CPU build?); use gloo")
         return dist.ProcessGroupNCCL
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, peer_alive: Alive | None = None) -> None:
+        """One broadcast; with `peer_alive` (the trainer's), waited for in slices while the peer lives: a peer alive
+        but no longer receiving would otherwise hold it for the group's whole timeout (24 h)."""
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._group.broadcast([tensor], options).wait()
+        work = self._group.broadcast([tensor], options)
+        if peer_alive is not None and self.backend == "gloo":  # NCCL's wait() only orders streams: it returns
+            while not work.is_completed():
+                if not peer_alive():
+                    raise PeerGone("the engine process exited while the trainer sent it weights")
+                time.sleep(0.005)
+        work.wait()
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
@@ -272,9 +282,9 @@ class CollectiveTransfer:
         if named and [(n, tuple(t.shape), t.dtype) for n, t in named] != self.layout:
             raise KeyError("push_weights: the policy's parameter names, shapes or dtypes changed since the first push")
         header = f"{completed},{version},{int(bool(named))}"
-        self._store.set(f"dspo/push/{sequence}", f"{header},{sign(self.secret, sequence, header)}")
+        self._store.set(push_key(self.secret, sequence), f"{header},{sign(self.secret, sequence, header)}")
         for index, (_, tensor) in enumerate(named):
-            self._broadcast(self._on_wire(tensor.detach().to(self._wire(tensor.dtype)).contiguous()))
+            self._broadcast(self._on_wire(tensor.detach().to(self._wire(tensor.dtype)).contiguous()), self.peer_alive)
             if index == 0:
                 fault_point("trainer.mid_send")
 
@@ -300,8 +310,9 @@ class CollectiveTransfer:
             sequence = 0
             while True:
                 sequence += 1
-                key = f"dspo/push/{sequence}"
+                key = push_key(self.secret, sequence)
                 completed, version, changed = verified_header(self.secret, sequence, self._store.get(key).decode())
+                fault_point("engine.receiver")
                 self._store.delete_key(key)
                 with self._ready:  # the engine loads from the staging buffers under the same condition
                     if changed:
@@ -309,10 +320,13 @@ class CollectiveTransfer:
                     self._newest = (completed, version)
                     self._received = sequence
                     self._ready.notify_all()
-        except BaseException as error:  # noqa: BLE001 - the engine's loop raises it at its next receive
+        except BaseException as error:  # noqa: BLE001 - reported at once (`on_failure`), else at the next receive
             with self._ready:
                 self._failure = error
                 self._ready.notify_all()
+            report = getattr(self, "on_failure", None)  # the engine process's: report and exit (dspo.rollout.serve)
+            if report is not None:
+                report("".join(traceback.format_exception(error)))
 
     def _receive_tensors(self) -> None:
         device = "cpu" if self.backend == "gloo" else self.device
@@ -360,39 +374,6 @@ class CollectiveTransfer:
         self.__dict__.update(state)
         self.peer_alive = _always
         self._store = self._group = None
-
-
-def loopback_listener() -> socket.socket:
-    """A listening TCP socket on 127.0.0.1 and a free port, for the TCPStore to serve on (nothing beyond this host)."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    return listener
-
-
-def keyed_store(store, secret: str):
-    """Every key under the run's secret: without it, another process on the host cannot find the group's keys."""
-    import torch.distributed as dist
-
-    return dist.PrefixStore(f"dspo/{secret}/", store)
-
-
-def sign(secret: str, sequence: int, header: str) -> str:
-    """HMAC-SHA256 of push `sequence`'s header under the run's secret."""
-    return hmac.new(secret.encode(), f"{sequence}|{header}".encode(), hashlib.sha256).hexdigest()
-
-
-def verified_header(secret: str, sequence: int, value: str) -> tuple[int, int, int]:
-    """(completed rounds, version, changed) of a signed push header; PermissionError if it was not signed with the
-    run's secret (a forged or replayed push)."""
-    header, _, signature = value.rpartition(",")
-    if not hmac.compare_digest(signature, sign(secret, sequence, header)):
-        raise PermissionError(
-            f"weight push {sequence} was refused: its header is not signed with this run's secret (another process "
-            "on this host wrote to the weight-transfer store)"
-        )
-    completed, version, changed = (int(v) for v in header.split(","))
-    return completed, version, changed
 
 
 def make_transfer(kind: str, ctx, engine_device: str = "cpu", wire_dtype: torch.dtype | None = None) -> WeightTransport:

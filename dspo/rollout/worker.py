@@ -41,7 +41,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import queue
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ from typing import Any
 
 import torch
 
+from dspo.rollout.channel import Replies, ReplySender
 from dspo.rollout.faults import fault_point
 from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, Reply, RoundDone, Stop
 from dspo.types import RolloutGroup
@@ -179,6 +182,16 @@ def check_staleness(max_staleness: Any, engine_threads: Any, engine: Any) -> int
     return max_staleness
 
 
+def end_group(pid: int) -> None:
+    """SIGKILL what is left of the engine process's group (it is its leader, `dspo.rollout.serve`): its children,
+    orphaned when it died mid-round, would keep their GPU memory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) != pid:  # not its own group (it died before making it): nothing of it to sweep
+            return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 class EngineProcess:
     """The trainer's handle on the engine process: push weights, take rounds in order, ask for predictions."""
 
@@ -206,8 +219,11 @@ class EngineProcess:
             self.spec.weight_transfer, self._ctx, engine_device="cuda:0", wire_dtype=_engine_dtype(self.spec.engine)
         )
         self.transfer.allocate(named)
-        self.commands, self.results = self._ctx.Queue(), self._ctx.Queue()
-        channels = (self.commands, self.results, self.transfer)
+        # replies on a one-way pipe read by a thread (`dspo.rollout.channel`): a round half-written by an engine
+        # process that died cannot block the trainer
+        reader, writer = self._ctx.Pipe(duplex=False)
+        self.commands = self._ctx.Queue()
+        channels = (self.commands, ReplySender(writer), self.transfer)
         # not daemonic: it may start children (vLLM's multiprocess executor, tool pools); it exits with the trainer
         # by itself (`_exit_with_the_trainer`), and `close` ends it
         from dspo.rollout.serve import serve
@@ -215,7 +231,11 @@ class EngineProcess:
         self.process = self._ctx.Process(
             target=serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=False
         )
-        self.process.start()
+        try:
+            self.process.start()
+        finally:
+            writer.close()  # the engine process holds the only write end: its death is an EOF here
+        self.results = Replies(reader)
         # a trainer that ends without `close` (a notebook, a script driving the producer itself): multiprocessing's
         # own exit hook would join this non-daemonic process for ever, while it waits for its living trainer.
         # Registered after that hook, this one runs first.
@@ -286,6 +306,13 @@ class EngineProcess:
                 message = self.results.get(timeout=POLL_S)
             except queue.Empty:
                 if not self.process.is_alive():
+                    with contextlib.suppress(queue.Empty):  # what it wrote whole before it died is still read
+                        message = self.results.get(timeout=POLL_S)
+                        if isinstance(message, Failed):
+                            raise EngineProcessError(
+                                f"the engine process failed while the trainer waited for {what}:\n{message.traceback}"
+                            ) from None
+                        return message
                     raise EngineProcessDied(
                         f"the engine process (pid {self.pid or self.process.pid}) exited with code "
                         f"{self.process.exitcode} while the trainer waited for {what}; the run stops (dspo-train "
@@ -314,19 +341,22 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout_s)
+        end_group(self.process.pid)
         log.info("engine process %s ended (exit code %s)", self.pid, self.process.exitcode)
         atexit.unregister(self._end_at_exit)
         self.process = None
         self._ready.clear()
         self.transfer.close()
-        # the trainer exits later: its own queue feeders must not wait for a reader that is gone
-        for channel in (self.commands, self.results):
-            channel.cancel_join_thread()
+        self.results.close()
+        # the trainer exits later: its own queue feeder must not wait for a reader that is gone
+        self.commands.cancel_join_thread()
 
     def _end_at_exit(self) -> None:
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(2.0)
+        if self.process is not None:
+            end_group(self.process.pid)
 
     def _drain(self) -> None:
         with contextlib.suppress(Exception):

@@ -14,7 +14,7 @@ from dspo.env import SearchTool, SubEMReward
 from dspo.env.rewards import EpisodeRecord, TurnRecord, extract_answer
 from dspo.env.search_rewards import IkeaReward, StepSearchReward
 from dspo.env.search_tool import EMPTY_QUERY, QUERY_TOO_LONG, TOO_MANY_QUERIES
-from dspo.env.tools import BAD_ARGUMENTS, Tool, ToolResult
+from dspo.env.tools import BAD_ARGUMENTS, BAD_CHARACTERS, Tool, ToolResult
 from dspo.toy.sources import SourceAwareSubEM
 from dspo.types import Passage, QAItem
 
@@ -47,6 +47,7 @@ KINDS = {
     parsing.UNKNOWN_TOOL,
     parsing.TOO_DEEP,
     BAD_ARGUMENTS,
+    BAD_CHARACTERS,
     EMPTY_QUERY,
     TOO_MANY_QUERIES,
     QUERY_TOO_LONG,

@@ -371,6 +371,43 @@ def test_a_planted_record_runs_nothing(tmp_path: Path, monkeypatch, capsys, targ
     assert f"imports=[{module}]" in err and "dspo_run.json" in err
 
 
+class _Touch:
+    """A pickle that creates a file when it is loaded (`torch.load(weights_only=False)` would run it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_a_planted_interpolated_target_runs_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Issue 53 (1), the review's trigger as a new user meets it: `dspo-eval model.path=<folder>` on a folder whose
+    record names `dspo.${oc.select:x,checkpointing.torch.load}` (Hydra builds `torch.load`, which its blocklist lets
+    through) with a pickle beside it. Before, the command ran the pickle; now it is a one-line refusal."""
+    from dspo.record import run_record, write_record
+    from dspo.testing import build_toy_lm, compose_config
+
+    pwned = tmp_path / "pwned-torch-load"
+    model = build_toy_lm(str(tmp_path / "model"))
+    torch.save(_Touch(str(pwned)), Path(model) / "extra.pt")
+    record = run_record(compose_config("train", ["output_dir=/tmp/run", "paths.cache=/c"]))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"id": "1", "question": "Who?", "golden_answers": ["Ada"]}) + "\n")
+    record["config"]["data"] = {"test_files": {"planted": str(questions)}, "test_limit": 1}
+    record["config"]["retriever"] = {
+        "_target_": "dspo.${oc.select:x,checkpointing.torch.load}",
+        "_args_": [f"{model}/extra.pt"],
+        "weights_only": False,
+    }
+    write_record(model, record, step=1)
+    code, err = run_eval_main(monkeypatch, capsys, tmp_path, f"model.path={model}")
+    assert not pwned.exists()
+    assert code == 2 and "Traceback" not in err, err
+    (line,) = [line for line in err.splitlines() if line.startswith("dspo-eval: error: ")]
+    assert "retriever._target_='dspo.${oc.select:x,checkpointing.torch.load}' is interpolated" in line, err
+
+
 def test_a_foreign_folder_checkpoint_is_not_unpickled(tmp_path: Path, monkeypatch, capsys) -> None:
     """Issue 39 (1): torch's distributed-checkpoint reader unpickles a folder checkpoint's `.metadata`; one that
     belongs to another user is refused unless `allow_foreign_checkpoint=true`."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -401,3 +402,29 @@ def test_an_engine_process_whose_trainer_is_killed_exits_by_itself(tmp_path):
         raise AssertionError(f"engine process {engine_pid} still alive 20 s after its trainer was killed")
     finally:
         trainer.kill()
+
+
+@pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
+def test_the_engine_processs_children_end_with_it_when_it_is_killed_mid_round(tmp_path, monkeypatch):
+    """Issue 53 (6): a tool's child process (as vLLM's tensor-parallel workers or a tool's pool) outlived an engine
+    process killed mid-round: orphaned, it kept its memory. `close` now ends the engine process's whole group."""
+    from dspo.testing import child_agent
+
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("DSPO_TEST_CHILD_PID", str(pid_file))
+    worker = EngineProcess(worker_spec(max_staleness=1, agent=child_agent))
+    try:
+        worker.start(PromptSampler(toy_items(), seed=0), None, 0, [("w", torch.zeros(1))])
+        child = int(pid_file.read_text())
+        worker.push_weights(None, 0, 0, (0, 1))
+        worker.take_round(0)  # round 1 is now generating, for a minute
+        assert _running(child)
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(EngineProcessDied, match="exited with code -9"):
+            worker.take_round(1)
+    finally:
+        worker.close()
+    deadline = time.monotonic() + 5
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child), f"the tool's child {child} outlived its engine process"

@@ -18,7 +18,7 @@ from dspo.agent.config import AgentConfig
 from dspo.agent.endpoint.episodes import Episode
 from dspo.agent.endpoint.scheduler import Work
 from dspo.agent.tool_calling import LAST_TURN_NOTE
-from dspo.env.tools import CallContext, InvalidCall
+from dspo.env.tools import CallContext, InvalidCall, carried
 
 Submit = Callable[[str, dict], Awaitable[str]]
 
@@ -73,7 +73,7 @@ def run_tool_work(
             work.answer(f"Error: unknown tool {name!r}; the tools are {sorted(tools)}.")
             continue
         try:
-            valid.setdefault(name, []).append((work, tool.prepare(arguments)))
+            valid.setdefault(name, []).append((work, parsing.prepare_call(tool, arguments)))
         except InvalidCall as invalid:
             episode.invalid[(name, invalid.kind)] += 1
             work.answer(invalid.message)
@@ -98,5 +98,6 @@ def _cut(texts: list[str], tokenizer: Any, max_tokens: int) -> list[str]:
     """Each text cut to `max_tokens` tokens (one batched tokenizer call)."""
     if not texts:
         return []
+    texts = [carried(text) for text in texts]  # what a tool echoed may not be encodable
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens]) for text, ids in zip(texts, encoded)]
