@@ -41,6 +41,7 @@ from dspo.agent.episode import Episode
 from dspo.agent.partial import CarriedGroup, PartialRollout, StopFn
 from dspo.agent.prompts import ToolTurnTemplate, build_messages, render_prompt
 from dspo.agent.protocol import AgentRollout
+from dspo.agent.trajectory import EpisodeCounts, EpisodeEnd, EpisodeTokens, build_trajectory
 from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, TurnRecord
@@ -383,32 +384,21 @@ class ToolCallingAgent:
         return [self._trajectory(ep, record, result) for ep, record, result in zip(episodes, records, results)]
 
     def _trajectory(self, ep: Episode, record: EpisodeRecord, result) -> Trajectory:
-        steps = list(result.step_rewards)
-        if steps and len(steps) != len(ep.turns):
+        if result.step_rewards and len(result.step_rewards) != len(ep.turns):
             raise RuntimeError(
-                f"reward {type(self.env.reward).__name__}: {len(steps)} step rewards for {len(ep.turns)} turns"
+                f"reward {type(self.env.reward).__name__}: {len(result.step_rewards)} step rewards for "
+                f"{len(ep.turns)} turns"
             )
-        return Trajectory(
-            prompt_ids=ep.prompt_ids,
-            response_ids=ep.response_ids,
-            response_mask=ep.mask,
-            engine_logprobs=ep.logprobs,
-            reward=result.total,
-            outcome=result.outcome,
-            step_rewards=steps,
-            turn_spans=list(ep.turn_spans),
-            reward_components=dict(result.components),
-            answer=record.answer,
-            question=ep.item.question,
-            golden_answers=list(ep.item.golden_answers),
-            response_text=self.tokenizer.decode(ep.response_ids, skip_special_tokens=False),
-            num_turns=len(ep.turns),
-            num_tool_calls=sum(ep.tool_calls.values()),
-            num_invalid_calls=sum(ep.invalid.values()),
-            tool_calls=dict(ep.tool_calls),
-            truncated=ep.truncated,
-            stop_reason=ep.stop_reason,
-            policy_version=min(ep.versions, default=ep.version),  # the oldest: what staleness is measured from
-            segments=list(ep.segments),
+        tokens = EpisodeTokens(
+            ep.prompt_ids,
+            ep.response_ids,
+            ep.mask,
+            ep.logprobs,
+            ep.turn_spans,
+            ep.segments,
             token_versions=list(ep.versions) if ep.spans_versions() else [],
         )
+        counts = EpisodeCounts(len(ep.turns), ep.tool_calls, ep.invalid)
+        version = min(ep.versions, default=ep.version)  # the oldest: what staleness is measured from
+        end = EpisodeEnd(ep.stop_reason, ep.truncated, record.answer)
+        return build_trajectory(ep.item, tokens, result, counts, end, version, self.tokenizer)

@@ -12,53 +12,29 @@ from __future__ import annotations
 from typing import Any
 
 from dspo.agent.endpoint.episodes import Episode, build_samples
+from dspo.agent.trajectory import EpisodeCounts, EpisodeEnd, EpisodeTokens, build_trajectory
 from dspo.env.rewards import RewardResult
 from dspo.types import Trajectory
 
 
 def episode_trajectory(ep: Episode, result: RewardResult, policy_version: int, tokenizer: Any) -> Trajectory:
-    common = {
-        "question": ep.item.question,
-        "golden_answers": list(ep.item.golden_answers),
-        "num_turns": len(ep.calls),
-        "num_tool_calls": sum(ep.tool_calls.values()),
-        "num_invalid_calls": sum(ep.invalid.values()),
-        "tool_calls": dict(ep.tool_calls),
-        "policy_version": policy_version,
-        "stop_reason": ep.end_reason(),
-    }
+    counts = EpisodeCounts(len(ep.calls), ep.tool_calls, ep.invalid)
+    reason = ep.end_reason()
     if ep.error is not None:
-        prompt = ep.calls[0].prompt_ids if ep.calls else tokenizer.encode(ep.item.question, add_special_tokens=False)
-        return Trajectory(
-            prompt_ids=list(prompt) or [tokenizer.eos_token_id],
-            response_ids=[],
-            response_mask=[],
-            engine_logprobs=[],
-            reward=0.0,
-            outcome=0.0,
-            answer=None,
-            truncated=True,
-            **common,
-        )
+        prompt = ep.calls[0].prompt_ids if ep.calls else _question_ids(ep, tokenizer)
+        stub = EpisodeTokens(list(prompt) or [tokenizer.eos_token_id])
+        end = EpisodeEnd(reason, truncated=True)
+        return build_trajectory(ep.item, stub, None, counts, end, policy_version, tokenizer, per_turn=False)
     samples, ep.prefix_breaks = build_samples(ep.calls)
     if not samples:  # the agent answered without calling the policy: nothing to train, only a score
-        prompt = tokenizer.encode(ep.item.question, add_special_tokens=False) or [tokenizer.eos_token_id]
-        return Trajectory(
-            list(prompt), [], [], [], reward=result.total, outcome=result.outcome, answer=ep.answer, **common
-        )
-    main = samples[0]
-    return Trajectory(
-        prompt_ids=main.prompt_ids,
-        response_ids=main.response_ids,
-        response_mask=main.mask,
-        engine_logprobs=main.logprobs,
-        reward=result.total,
-        outcome=result.outcome,
-        turn_spans=list(main.spans),
-        reward_components=dict(result.components),
-        answer=ep.answer,
-        response_text=tokenizer.decode(main.response_ids, skip_special_tokens=False),
-        truncated=ep.truncated,
-        segments=[sample.segment() for sample in samples[1:]],
-        **common,
-    )
+        tokens = EpisodeTokens(_question_ids(ep, tokenizer) or [tokenizer.eos_token_id])
+    else:
+        main = samples[0]
+        segments = [sample.segment() for sample in samples[1:]]
+        tokens = EpisodeTokens(main.prompt_ids, main.response_ids, main.mask, main.logprobs, list(main.spans), segments)
+    end = EpisodeEnd(reason, ep.truncated, ep.answer)
+    return build_trajectory(ep.item, tokens, result, counts, end, policy_version, tokenizer, per_turn=False)
+
+
+def _question_ids(ep: Episode, tokenizer: Any) -> list[int]:
+    return tokenizer.encode(ep.item.question, add_special_tokens=False)
