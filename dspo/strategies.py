@@ -67,6 +67,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from dspo.trust import safe_byte_items
+
+        with safe_byte_items():  # a folder's non-tensor items are pickles: tensors and plain values only
+            return self._load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         if module is None or module.strict_loading or not _is_sharded_checkpoint(path):

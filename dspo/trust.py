@@ -12,12 +12,15 @@ folder or a checkpoint brings along, since both are shared and downloaded:
 - a record never turns `trust_remote_code` on (a model's own Python code would run): the setting is dropped with a
   warning; the command line may set it;
 - a distributed checkpoint folder's `.metadata` is a pickle, which torch's reader unpickles: only folders owned by
-  the current user are read, unless `allow_foreign_checkpoint=true`. Single-file checkpoints load with
-  `weights_only=True` everywhere and need no such rule.
+  the current user are read, unless `allow_foreign_checkpoint=true`, and even then only with torch's own metadata
+  types (`check_metadata`). Its non-tensor items are pickles too, which torch's load planner reads with
+  `weights_only=False`: dspo reads them inside `safe_byte_items`, where they load as `weights_only=True` first.
+  Single-file checkpoints load with `weights_only=True` everywhere and need no such rule.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -247,3 +250,31 @@ def check_metadata(path: Path, key: str) -> None:
             f"{key}={path.parent}: its .metadata is not a torch checkpoint's metadata ({error}); unpickling it could "
             "run any code, so nothing was loaded. Use a checkpoint dspo wrote"
         ) from error
+
+
+@contextlib.contextmanager
+def safe_byte_items() -> Iterator[None]:
+    """While a folder checkpoint is read: its non-tensor items (torch.distributed.checkpoint "bytes": optimizer steps,
+    param groups, Lightning's loop state) are unpickled by `torch.load(weights_only=True)` first (tensors, containers
+    and plain values only); what passes is saved again and handed to torch's planner, so a planted pickle fails there
+    (`pickle.UnpicklingError`) instead of running. torch's `DefaultLoadPlanner.load_bytes` loads them with
+    `weights_only=False`, and Lightning builds that planner itself, hence a patch for the duration of the read."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    original = DefaultLoadPlanner.load_bytes
+
+    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001  torch's signature
+        checked = torch.load(value, map_location="cpu", weights_only=True)
+        again = io.BytesIO()
+        torch.save(checked, again)
+        again.seek(0)
+        original(self, read_item, again)
+
+    DefaultLoadPlanner.load_bytes = load_bytes
+    try:
+        yield
+    finally:
+        DefaultLoadPlanner.load_bytes = original

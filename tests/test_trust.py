@@ -263,3 +263,40 @@ def test_a_planted_metadata_pickle_is_refused_even_in_the_users_own_folder(tmp_p
     real = tmp_path / "real.ckpt"
     dcp.save({"w": torch.zeros(3, dtype=torch.bfloat16), "step": 3}, checkpoint_id=str(real), no_dist=True)
     check_checkpoint_owner(real, "ckpt_path")
+
+
+class _PlantedItem:
+    """A non-tensor checkpoint item whose unpickling would run code (touches a file)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_planted_non_tensor_item_of_a_folder_checkpoint_runs_nothing(tmp_path):
+    """Issue 53 (5): torch's load planner unpickles a folder checkpoint's non-tensor items with weights_only=False;
+    inside `safe_byte_items` (dspo's FSDP2 resume and dspo-eval's reader) they load as weights_only=True first: plain
+    values pass, a planted pickle is refused and runs nothing."""
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dspo.trust import safe_byte_items
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(2), "step": [3, "a"], "planted": _PlantedItem(str(marker))}, checkpoint_id=folder)
+    plain = {"w": torch.zeros(2), "step": None}
+    with safe_byte_items():
+        dcp.load(plain, checkpoint_id=folder)
+    assert plain["step"] == [3, "a"] and torch.equal(plain["w"], torch.ones(2))
+    with pytest.raises(BaseException) as refused, safe_byte_items():  # torch wraps it: CheckpointException
+        dcp.load({"planted": None}, checkpoint_id=folder)
+    assert "UnpicklingError" in repr(refused.value) or "Unsupported global" in str(refused.value), refused.value
+    assert not marker.exists()
+    dcp.load({"planted": None}, checkpoint_id=folder)  # torch's own planner, as before: the item ran
+    assert marker.exists()

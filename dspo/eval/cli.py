@@ -67,6 +67,7 @@ def _read_distributed_checkpoint(path: Path, ckpt_path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from dspo.checkpointing import checkpoint_problem
+    from dspo.trust import safe_byte_items
 
     problem = checkpoint_problem(path)
     if problem is not None:
@@ -74,7 +75,8 @@ def _read_distributed_checkpoint(path: Path, ckpt_path: str) -> dict[str, Any]:
     checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
     state: dict[str, Any] = {}
     reader, planner = FileSystemReader(str(path)), _EmptyStateDictLoadPlanner(keys={"state_dict"})
-    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    with safe_byte_items():  # the folder's non-tensor items are pickles: tensors and plain values only
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     checkpoint["state_dict"] = state["state_dict"]
     return checkpoint
 
