@@ -44,7 +44,10 @@ class RoundState:
     current: Round | None = None  # the round being trained (None between rounds)
     engine_version: int = 0  # DSPOModule.weights_version the engine holds (-1: unknown, push before sampling)
     generated_tokens_total: float = 0.0  # compute-matched x axis: sampled tokens so far, filtered groups included
-    keep_rate_estimate: float | None = None  # the filter's prior, restored before the engine side exists
+    # the filter's keep-rate prior as of the last round taken (None: the filter's initial one). Its one owner: the sides
+    # hand it to the filter before a round and take the filter's back after it (in this process, or the engine
+    # process's end state at k >= 1); checkpoints save it, `rewind` puts it back
+    keep_rate_estimate: float | None = None
 
     @property
     def round_done(self) -> bool:
@@ -92,20 +95,23 @@ class RoundProducer:
             return
         if self.max_staleness:
             self.side = EngineProcessSide(self.spec, self.engine_cores, self.engine_threads, self.engine_devices)
-            self.side.keep_rate_estimate = self.state.keep_rate_estimate
             return
         spec = replace(self.spec, rank=link.rank, world_size=link.world_size)
         self.attach(LocalEngine.build(spec, self.tokenizer))
 
     def attach(self, side: LocalEngine | EngineProcessSide) -> None:
-        """Use `side` (tests attach stand-in engines and agents this way); a restored keep-rate prior is applied."""
+        """Use `side` (tests attach stand-in engines and agents this way). The keep-rate prior is the round state's: a
+        restored one is given to the side's filter, else the state takes the filter's own initial prior."""
         self.side = side
-        if self.state.keep_rate_estimate is not None:
+        if self.state.keep_rate_estimate is None:  # the engine process's filter reports its prior after a round
+            self.state.keep_rate_estimate = getattr(side, "keep_rate_estimate", None)
+        elif isinstance(side, LocalEngine):
             side.keep_rate_estimate = float(self.state.keep_rate_estimate)
 
     @property
     def keep_rate_estimate(self) -> float | None:
-        return self.side.keep_rate_estimate if self.side is not None else self.state.keep_rate_estimate
+        """The filter's keep-rate prior as of the last round taken (`RoundState` owns it; sides read and update it)."""
+        return self.state.keep_rate_estimate
 
     # ------------------------------------------------------------------------------------------ training
     def fill(self, slot: RoundSlot) -> dict[str, float] | None:
@@ -164,9 +170,7 @@ class RoundProducer:
         _, sampler, sampler_state, keep_rate = start
         if sampler is not None and sampler_state is not None:
             sampler.load_state_dict(sampler_state)
-        self.state.keep_rate_estimate = keep_rate
-        if self.side is not None:
-            self.side.keep_rate_estimate = keep_rate
+        self.state.keep_rate_estimate = keep_rate  # the next round's generate hands it to the filter
         self.state.current = None
 
     def step_done(self) -> dict | None:
@@ -227,6 +231,4 @@ class RoundProducer:
             )
         torch.set_rng_state(state_dict["torch_rng"])
         random.setstate(state_dict["python_rng"])
-        state.keep_rate_estimate = state_dict.get("keep_rate_estimate")
-        if self.side is not None and state.keep_rate_estimate is not None:
-            self.side.keep_rate_estimate = float(state.keep_rate_estimate)
+        state.keep_rate_estimate = state_dict.get("keep_rate_estimate")  # handed to the filter at the next round

@@ -2,8 +2,9 @@
 
 Both answer the same calls: `push` (the policy's weights, when they changed), `generate` (round r's kept groups, their
 statistics and when they were generated), `predict` (greedy answers at the current weights), `sleep` / `wake` (the
-CUDA engine's memory during the update) and `close`. The weight version the engine holds is not theirs: it is
-`RoundState.engine_version`, the producer's one round/version state, which they read and advance. What they need of
+CUDA engine's memory during the update) and `close`. The weight version the engine holds and the filter's keep-rate
+prior are not theirs: they are `RoundState.engine_version` and `RoundState.keep_rate_estimate`, the producer's one
+round state, which they read and advance. What they need of
 the trainer comes as a `TrainerLink` (plain values and callables): no Lightning here.
 """
 
@@ -79,9 +80,12 @@ class LocalEngine:
         env = getattr(self.agent, "env", None)
         if env is not None:  # curricula (a simulator's growing noise) read where training is
             env.on_progress(*link.progress())
+        if state.keep_rate_estimate is not None:  # the round state's prior (restored, rewound) drives the filter
+            self.keep_rate_estimate = state.keep_rate_estimate
         groups, stats = self.round_sampler.sample_round(
             sampler, policy_version=round_index, seed=round_seed(seed, round_index), all_done=link.all_true
         )
+        state.keep_rate_estimate = self.keep_rate_estimate
         return groups, stats, (started, time.time())
 
     def predict(self, items: list, round_index: int, eval_batch_size: int) -> list:
@@ -111,7 +115,6 @@ class EngineProcessSide:
         self.spec, self.engine_cores, self.engine_threads = spec, engine_cores, engine_threads
         self.engine_devices = engine_devices
         self.worker: EngineProcess | None = None
-        self.keep_rate_estimate: float | None = None  # the engine process's prior, as of the last round taken
         self._saved_cpu: tuple | None = None  # (affinity or None, torch threads) to restore when the process stops
 
     @property
@@ -142,7 +145,7 @@ class EngineProcessSide:
         if self.worker is None:
             self.worker = EngineProcess(self._spec(link))
             # evaluation only: no rounds to produce
-            self.worker.start(sampler if link.fitting() else None, self.keep_rate_estimate, state.completed, weights)
+            self.worker.start(sampler if link.fitting() else None, state.keep_rate_estimate, state.completed, weights)
         self.worker.push_weights(weights, state.completed, version, link.progress())
         state.engine_version = version
 
@@ -178,7 +181,7 @@ class EngineProcessSide:
 
         sampled, waited = on_every_rank(link, f"taking round {round_index}", push_and_take)
         sampler.load_state_dict(sampled.end_state["sampler"])  # what a checkpoint saves: round r+1's start
-        self.keep_rate_estimate = sampled.end_state["keep_rate_estimate"]
+        state.keep_rate_estimate = sampled.end_state["keep_rate_estimate"]  # the engine process's, after the round
         stats = dict(sampled.stats)
         stats["rollout/trainer_wait_s"] = waited
         stats["rollout/producer_idle_s"] = sampled.idle_s

@@ -96,7 +96,24 @@ def test_counters_and_the_keep_rate_estimate_survive_a_checkpoint():
     early = _producer()
     early.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
     early.load_state_dict(state)  # the side exists already (Lightning restores after setup)
-    assert early.side.round_sampler.keep_rate_estimate == 0.42
+    assert early.keep_rate_estimate == 0.42  # the round state's, handed to the filter when the next round starts
+
+
+def test_the_round_state_owns_the_keep_rate_prior_and_the_filter_reads_and_updates_it():
+    """Issue 52 (8): one owner of a round's state. The filter samples with the state's prior (restored or rewound)
+    and the state takes the filter's updated prior back after the round."""
+    from dspo.testing import RecordingEngine
+
+    class Filter(SimpleNamespace):
+        def sample_round(self, sampler, policy_version, seed, all_done):
+            self.seen, self.keep_rate_estimate = self.keep_rate_estimate, 0.7
+            return [], {}
+
+    side = LocalEngine(RecordingEngine(), None, Filter(keep_rate_estimate=0.9))
+    state = RoundState(keep_rate_estimate=0.3)
+    link = SimpleNamespace(weights_version=lambda: 0, weights=list, progress=lambda: (0, 1), all_true=bool)
+    side.generate(link, state, sampler=None, seed=0)
+    assert side.round_sampler.seen == 0.3 and state.keep_rate_estimate == 0.7
 
 
 def test_an_old_checkpoint_without_the_newer_counters_and_the_initial_state():
