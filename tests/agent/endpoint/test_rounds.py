@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 
@@ -14,6 +15,8 @@ import pytest
 
 from dspo.agent import AgentConfig
 from dspo.agent.endpoint import EndpointAgent
+from dspo.agent.protocol import build_agent
+from dspo.agent.tool_calling import ToolCallingAgent
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment, SearchTool, SubEMReward
 from dspo.types import QAItem
@@ -134,6 +137,13 @@ def test_the_rollout_deadline_holds_when_an_agent_swallows_its_timeout(qwen_toke
     assert any("rollout_timeout_s=0.8" in r.getMessage() for r in caplog.records)
 
 
-def test_deadlines_must_be_positive(qwen_tokenizer, retriever):
+def test_deadlines_are_rollout_agent_keywords_and_must_be_positive(qwen_tokenizer, retriever):
+    env = Environment({"search": SearchTool(retriever, topk=1)}, SubEMReward(), agent=answers)
+    partial = functools.partial(ToolCallingAgent, max_turns=6, stall_timeout_s=5.0, rollout_timeout_s=9.0)
+    agent = build_agent(
+        partial, engine=ScriptedEngine(qwen_tokenizer, lambda *_: ANSWER), tokenizer=qwen_tokenizer, env=env
+    )
+    assert (agent.stall_timeout_s, agent.rollout_timeout_s, agent.config.max_turns) == (5.0, 9.0, 6)
+    assert make(qwen_tokenizer, retriever, answers, episode_timeout_s=30).rollout_timeout_s == 90.0
     with pytest.raises(ValueError, match=r"rollout.agent.stall_timeout_s=0: must be > 0"):
         make(qwen_tokenizer, retriever, answers, stall_timeout_s=0)
