@@ -39,8 +39,8 @@ def normalized(message: dict) -> tuple:
     """What must agree for two messages to be the same turn: role, text content, and the calls (name + parsed
     arguments); ids, `refusal`, `annotations` and the like do not matter."""
     content = message.get("content")
-    if isinstance(content, list):  # OpenAI content parts: the text parts, in order
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if isinstance(content, list):  # OpenAI content parts: the text parts, joined as `shapes` joins them
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function", {}) if isinstance(call, dict) else {}

@@ -90,12 +90,14 @@ def _longest_prefix(samples: list[Sample], prompt: list[int]) -> Sample | None:
 
 @dataclass
 class Episode:
-    """What the endpoint knows of one running episode (`index` in the rollout's batch, `key` in its URL)."""
+    """What the endpoint knows of one running episode (`index` in the rollout's batch, `key` in its URL with the
+    round's id)."""
 
     index: int
     key: str
     item: QAItem
     calls: list[CallRecord] = field(default_factory=list)
+    admitted: int = 0  # requests admitted to generation (the turn budget; `calls` grows only once they are answered)
     turns: list[TurnRecord] = field(default_factory=list)  # one per call: its first completion's text, its tool call
     messages: list[dict] | None = None  # the last request's messages, for continuation
     returned: dict | None = None  # the assistant message answered to it (first choice)

@@ -2,12 +2,18 @@
 
 Runs on the rollout's thread. Each request's prompt continues its episode's tokens when its messages extend the last
 exchange (`dspo.agent.endpoint.chat`), else it is rendered from scratch; budgets are checked before anything is
-generated; the request's own `stop` strings end a completion without appearing in its content (OpenAI's meaning),
-while a call's closing tag and `</answer>` end it and stay (the built-in loop's stops; `formats`).
+generated, and the turn budget is counted as a request is admitted (two requests of one episode in one batch cannot
+both take its last turn); any error while preparing one request answers that request (a `RequestError`, else a 400
+naming the error), never the batch. The request's sampling settings are replaced by training's (`SamplingPolicy`),
+each replacement counted and warned about once per run. The request's own `stop` strings end a completion without
+appearing in its content (OpenAI's meaning), while a call's closing tag and `</answer>` end it and stay (the built-in
+loop's stops; `formats`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from dspo.agent.config import AgentConfig
@@ -19,14 +25,29 @@ from dspo.engines.base import SamplingConfig
 from dspo.env.rewards import TurnRecord
 from dspo.types import Generation
 
+Warn = Callable[[str, Any, Any], None]  # (parameter, the value sent, the value used)
+
 
 class Generator:
     def __init__(
-        self, engine: Any, tokenizer: Any, config: AgentConfig, chat_format: Any, greedy: bool, seed: int | None
+        self,
+        engine: Any,
+        tokenizer: Any,
+        config: AgentConfig,
+        chat_format: Any,
+        greedy: bool,
+        seed: int | None,
+        warn: Warn | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.config, self.format = engine, tokenizer, config, chat_format
-        self.policy = SamplingPolicy(temperature=0.0 if greedy else config.temperature, top_p=config.top_p)
+        self.policy = SamplingPolicy(
+            temperature=0.0 if greedy else config.temperature,
+            top_p=config.top_p,
+            max_new_tokens=config.max_new_tokens_per_turn,
+        )
         self.seed, self.calls = seed, 0
+        self.warn = warn
+        self.overridden: Counter = Counter()  # parameter -> requests whose value was replaced
         self.eos_text = tokenizer.eos_token if tokenizer.eos_token_id is not None else None
 
     def run(self, batch: list[Work], episodes: list[Episode]) -> int:
@@ -38,6 +59,10 @@ class Generator:
                 prompt, sampling = self._prepare(episode, request)
             except RequestError as error:
                 work.answer(error)
+                continue
+            except Exception as error:  # noqa: BLE001  one request's failure is its own, not the batch's
+                message = f"the request could not be rendered ({type(error).__name__}: {str(error)[:300]})"
+                work.answer(RequestError(400, message + "; check its messages and tools"))
                 continue
             prepared.append((work, episode, request, prompt, sampling))
         by_setting: dict[tuple, list[int]] = {}
@@ -66,8 +91,11 @@ class Generator:
 
     def _prepare(self, episode: Episode, request: ChatRequest) -> tuple[list[int], SamplingConfig]:
         cfg = self.config
-        self.policy.check(request)
-        if len(episode.calls) >= cfg.max_turns:
+        for name, sent, used in self.policy.overrides(request):
+            self.overridden[name] += 1
+            if self.warn is not None:
+                self.warn(name, sent, used)
+        if episode.admitted >= cfg.max_turns:
             episode.truncated, episode.stop_reason = True, "max_turns"
             raise RequestError(400, f"turn budget spent: rollout.agent.max_turns={cfg.max_turns} calls per episode")
         prompt = self._prompt(episode, request)
@@ -81,6 +109,7 @@ class Generator:
             )
         max_new = min(cfg.max_new_tokens_per_turn, room, request.max_tokens or room)
         stops = list(dict.fromkeys([*request.stop, *self.format.stops(request.tool_names is not None)]))
+        episode.admitted += 1  # last: a refused request takes no turn
         return prompt, SamplingConfig(max_new_tokens=max_new, stop=stops)
 
     def _prompt(self, episode: Episode, request: ChatRequest) -> list[int]:

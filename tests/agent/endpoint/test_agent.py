@@ -160,19 +160,43 @@ def test_a_failing_episode_is_a_counted_stub_and_too_many_fail_the_round(qwen_to
 
 
 async def hot(client, item, tools):
-    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], temperature=1.0)
-    return None
+    """Sampling settings as a deployed agent sets them."""
+    messages = [{"role": "user", "content": item.question}]
+    settings = {"temperature": 1.0, "top_p": 0.5, "seed": 3, "max_tokens": 10_000}
+    reply = await client.chat.completions.create(model="policy", messages=messages, **settings)
+    messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "user", "content": "Sure?"})
+    await client.chat.completions.create(model="policy", messages=messages, **settings)
+    return "Paris"
 
 
-def test_evaluation_is_greedy_and_refuses_sampling(qwen_tokenizer, retriever):
-    agent = EndpointAgent(
-        ScriptedEngine(qwen_tokenizer, lambda *_: ANSWER), qwen_tokenizer, env_with(retriever, hot, 1.0), AgentConfig()
-    )
+class Recording(ScriptedEngine):
+    def generate(self, prompts, sampling):
+        self.sampled = [*getattr(self, "sampled", []), sampling]
+        return super().generate(prompts, sampling)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_sampling_is_the_trainers_and_each_override_is_counted_and_warned_once(
+    qwen_tokenizer, retriever, caplog, greedy
+):
+    """An agent's temperature=1.0 during greedy evaluation once ended the run (every call refused): now replaced."""
+    engine = Recording(qwen_tokenizer, lambda *_: ANSWER)
+    agent = EndpointAgent(engine, qwen_tokenizer, env_with(retriever, hot, 0.0), AgentConfig(temperature=0.7))
     try:
-        rollout = agent.rollout([PARIS], group_size=1, policy_version=0, greedy=True)
+        with caplog.at_level("WARNING", logger="dspo.agent.endpoint.agent"):
+            rollout = agent.rollout([PARIS], group_size=2, policy_version=0, greedy=greedy, seed=0)
     finally:
         agent.close()
-    assert rollout.stats["agent_errors"] == 1  # temperature=1.0 refused while evaluating (greedy: 0)
+    assert rollout.stats["agent_errors"] == 0 and rollout.stats["overridden_sampling"] == 16  # 4 settings x 4 calls
+    assert {s.temperature for s in engine.sampled} == {0.0 if greedy else 0.7}
+    assert {(s.top_p, s.max_new_tokens) for s in engine.sampled} == {(1.0, 256)}
+    warned = [r.getMessage() for r in caplog.records if "overridden_sampling" in r.getMessage()]
+    assert len(warned) == 4  # once per parameter, not per call
+    used = "0.0" if greedy else "0.7"
+    assert any("sent temperature=1.0" in m and f"samples with temperature={used}" in m for m in warned)
+    assert any("sent max_tokens=10000" in m and "max_tokens=256" in m for m in warned)
+    assert EndpointAgent.stat_kinds["overridden_sampling"].value == "sum"
 
 
 def test_build_agent_serves_env_agent_with_rollout_agent_budgets(qwen_tokenizer, retriever, example_agent):
