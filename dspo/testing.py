@@ -432,3 +432,24 @@ def child_agent(engine=None, tokenizer=None, env=None) -> SlowAgent:
     with open(os.environ["DSPO_TEST_CHILD_PID"], "w") as handle:
         handle.write(str(child.pid))
     return SlowAgent(delay_s=60.0)
+
+
+def within(seconds: float, call):
+    """`call()` in a thread; fails if it has not returned or raised within `seconds` (it would have hung)."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s: a hang"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")

@@ -157,12 +157,28 @@ def test_token_budget_micro_batches_agree_in_number_across_ranks(tmp_path: Path)
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
 
 
-def _async_worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None:
+def _fit_on_two_ranks(strategy: str, run, root: str, callbacks: list | None = None):
+    """`run` fitted for 3 steps under DDP or FSDP2 on this rank; returns the trainer and the full weights."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
     from dspo.models.weights import policy_weights
     from dspo.strategies import FSDP2Strategy
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=3, callbacks=[run.callback, *(callbacks or [])], logger=False,
+        strategy=DDPStrategy(process_group_backend="gloo") if strategy == "ddp" else FSDP2Strategy(),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(run.module, datamodule=run.datamodule)
+    weights = {k: v.detach().clone() for k, v in policy_weights(trainer.strategy.model)}  # full tensors under FSDP
+    return trainer, weights
+
+
+def _async_worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None:
+    import lightning.pytorch as pl
+
     from dspo.testing import toy_run
 
     torch.set_num_threads(1)
@@ -178,14 +194,7 @@ def _async_worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -
             groups = run.callback.producer.state.current.groups
             versions.append(sorted({t.policy_version for g in groups for t in g.trajectories}))
 
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, max_steps=3, callbacks=[run.callback, Versions()], logger=False,
-        strategy=DDPStrategy(process_group_backend="gloo") if strategy == "ddp" else FSDP2Strategy(),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
-    )  # fmt: skip
-    trainer.fit(run.module, datamodule=run.datamodule)
-    weights = {k: v.detach().clone() for k, v in policy_weights(trainer.strategy.model)}  # full tensors under FSDP
+    trainer, weights = _fit_on_two_ranks(strategy, run, f"{root}/rank{rank}", [Versions()])
     report = {
         "steps": trainer.global_step,
         "versions": versions,
@@ -274,11 +283,7 @@ class RecordingCounts(DSPOModule):
 
 
 def _split_worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -> None:
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy
 
-    from dspo.models.weights import policy_weights
-    from dspo.strategies import FSDP2Strategy
     from dspo.testing import ScriptedAgent, SplittingAgent, attach, toy_run
 
     torch.set_num_threads(1)
@@ -287,14 +292,7 @@ def _split_worker(strategy: str, rank: int, port: int, lm_dir: str, root: str) -
     # each rank: 2 groups of 4 episodes per step, micro-batches of 2 rows; rank 1's episodes become 3 samples each
     run = toy_run(lm_dir, f"{root}/rank{rank}", 3, module_cls=RecordingCounts, micro_batch_size=2, batch_groups=4)
     attach(run.callback, SplittingAgent(pieces=3) if rank == 1 else ScriptedAgent(), run.engine, WORLD)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, max_steps=3, callbacks=[run.callback], logger=False,
-        strategy=DDPStrategy(process_group_backend="gloo") if strategy == "ddp" else FSDP2Strategy(),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, default_root_dir=f"{root}/rank{rank}",
-    )  # fmt: skip
-    trainer.fit(run.module, datamodule=run.datamodule)
-    weights = {k: v.detach().clone() for k, v in policy_weights(trainer.strategy.model)}  # full tensors under FSDP
+    trainer, weights = _fit_on_two_ranks(strategy, run, f"{root}/rank{rank}")
     report = {"steps": run.module.steps, "global_step": trainer.global_step, "weights": weights}
     torch.save(report, f"{root}/rank{rank}.pt")
 

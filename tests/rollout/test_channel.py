@@ -19,26 +19,7 @@ import torch
 from dspo.data.datamodule import PromptSampler
 from dspo.rollout.worker import EngineProcess, EngineProcessDied, EngineProcessError
 from dspo.testing import midsize_agent, toy_items, toy_run, worker_spec
-
-
-def _within(seconds: float, call):
-    """`call()` in a thread; fails if it has not returned or raised within `seconds` (it would have hung)."""
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as error:  # noqa: BLE001 - handed to the test
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still waiting after {seconds} s: a hang"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
-
+from dspo.testing import within as _within
 
 SETTLE_S = 10.0  # from the kill to the trainer's error: the liveness polls are 0.5 s; measured well under 2 s
 

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,27 +23,9 @@ from dspo.rollout.faults import FaultInjected, fault_point, parse_faults
 from dspo.rollout.transfer import PeerGone, SharedMemoryTransfer
 from dspo.rollout.worker import EngineProcess, EngineProcessDied
 from dspo.testing import recording_engine, toy_items, toy_run, worker_spec
+from dspo.testing import within as _within
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _within(seconds: float, call):
-    """`call()` in a thread; fails if it has not returned or raised within `seconds` (it would have hung)."""
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as error:  # noqa: BLE001 - handed to the test
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still waiting after {seconds} s: a hang"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 def _segments() -> set[str]:
