@@ -289,10 +289,9 @@ class DSPOModule(pl.LightningModule):
         """A sequence-mean objective's weights [N, L] times each row's share of its episode's trained tokens
         (`PolicyBatch.sample_scale`), so that a split episode contributes what it would unsplit; a token mean weighs
         every token once already."""
-        scale = batch.sample_scale
-        if self.algo.objective.normalizer_unit != "sequence" or scale is None or bool((scale == 1).all()):
+        if self.algo.objective.normalizer_unit != "sequence" or batch.sample_scale is None:
             return weights
-        return weights * scale.to(weights)[:, None]
+        return weights * batch.sample_scale.to(weights)[:, None]  # exact where the scale is 1: unsplit runs unchanged
 
     def _optimizer_step(self) -> float:
         """AdamW step, then the scheduler's; returns the learning rate the step applied."""
@@ -350,10 +349,8 @@ class DSPOModule(pl.LightningModule):
                 "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.buffer.collate_trajectories"
             )
         cfg = self.algo.rollout_correction
-        episodes = batch.episode_ids
-        return correction_weights(
-            old, batch.engine_logprobs, batch.loss_mask, cfg.mode, cfg.low, cfg.high, episodes=episodes
-        )
+        mask, engine = batch.loss_mask, batch.engine_logprobs
+        return correction_weights(old, engine, mask, cfg.mode, cfg.low, cfg.high, episodes=batch.episode_ids)
 
     def _clip_gradients(self) -> torch.Tensor:
         root = self.trainer.strategy.model if self.trainer is not None else self

@@ -195,9 +195,10 @@ def correction_weights(
         engine_logprobs: [N, L] the engine's logprob of each sampled token (0 off the mask).
         mask: [N, L] 1 on trained (model-generated) tokens.
         mode: a key of CORRECTION_MODES; low, high: the bounds of `RolloutCorrectionConfig`.
-        episodes: [N] long, the episode of each row (None: one each). The rows of one episode (its samples: a
-            compacted context, an endpoint's prefix break) share one sequence-level weight, computed over all their
-            mask-1 tokens: S_i and |y_i| above are the episode's, whose advantage every sample carries.
+        episodes: [N] long, the episode of each row (None: one each), an episode's rows consecutive. The rows of one
+            episode (its samples: a compacted context, an endpoint's prefix break) share one sequence-level weight,
+            computed over all their mask-1 tokens: S_i and |y_i| above are the episode's, whose advantage every
+            sample carries.
 
     Returns:
         weights [N, L] (no gradient, 0 off the mask and on sequences without a mask-1 token) and detached scalars
@@ -251,16 +252,23 @@ def correction_weights(
     }
 
 
+def _first_rows(episodes: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the first row of each episode (its rows are consecutive, as `collate_trajectories` puts them)."""
+    first = torch.ones_like(episodes, dtype=torch.bool)
+    first[1:] = episodes[1:] != episodes[:-1]
+    return first
+
+
 def _has_split_episode(episodes: torch.Tensor) -> bool:
-    return episodes.numel() > 1 and int(torch.unique(episodes).numel()) < episodes.numel()
+    return not bool(_first_rows(episodes).all())
 
 
 def _per_episode(
     row_sums: torch.Tensor, row_lengths: torch.Tensor, episodes: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's episode totals [N], [N]: the sums of `row_sums` and `row_lengths` over the rows of its episode."""
-    _, inverse = torch.unique(episodes, return_inverse=True)
-    count = int(inverse.max()) + 1
+    inverse = _first_rows(episodes).cumsum(0) - 1  # the episode's position among the batch's episodes
+    count = int(inverse[-1]) + 1
     sums = torch.zeros(count, dtype=row_sums.dtype, device=row_sums.device).index_add_(0, inverse, row_sums)
     lengths = torch.zeros(count, dtype=row_lengths.dtype, device=row_lengths.device).index_add_(0, inverse, row_lengths)
     return sums[inverse], lengths[inverse]
@@ -275,9 +283,8 @@ def sequence_mean_weights(
     mask = mask.to(weights.dtype)
     totals, count = (weights * mask).sum(dim=1), mask.sum(dim=1)
     if episodes is not None and _has_split_episode(episodes):
+        first = _first_rows(episodes)
         totals, count = _per_episode(totals, count, episodes)
-        first = torch.ones_like(episodes, dtype=torch.bool)
-        first[1:] = episodes[1:] != episodes[:-1]  # an episode's rows are consecutive (`collate_trajectories`)
         totals, count = totals[first], count[first]
     return (totals / count.clamp(min=1.0))[count > 0]
 

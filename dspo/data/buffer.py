@@ -227,11 +227,10 @@ def build_round(
     chunks, plans = [], []
     for m in range(num_minibatches):
         start = m * per_minibatch
-        units = sorted(  # episodes (their samples together), shortest longest sample first
-            [episode_samples(t, a, start + k) for k, (t, a) in enumerate(flat[start : start + per_minibatch])],
-            key=lambda unit: max(sample.length for sample in unit),
-        )
-        lengths = [max(sample.length for sample in unit) for unit in units]
+        episodes = [episode_samples(t, a, start + k) for k, (t, a) in enumerate(flat[start : start + per_minibatch])]
+        longest = [max(sample.length for sample in unit) for unit in episodes]
+        order = sorted(range(len(episodes)), key=longest.__getitem__)  # by longest sample; stable
+        units, lengths = [episodes[k] for k in order], [longest[k] for k in order]
         rows = [len(unit) for unit in units]
         if micro_batch_tokens is None:
             plan = pack_by_count(rows, micro_batch_size)
