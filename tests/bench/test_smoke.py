@@ -22,6 +22,7 @@ SMOKE = {
     "--batch-mix 1:0.7,8:0.3",
     "rollout": "--questions 2 --group-size 2 --repeats 1",
     "endpoint": "--questions 2 --group-size 2 --repeats 1",
+    "frameworks": "--questions 2 --group-size 2 --repeats 1",
     "vs_trl": "--trl-if-installed --skip-filter --steps 1 --repeats 1 --prompts 2 --group-size 2 --max-new-tokens 16 "
     "--num-questions 8 --threads 2",
     "async": "--workloads toy --staleness 0 --rounds 3 --warmup-rounds 1 --override " + " ".join(TINY_TRAIN),
@@ -51,7 +52,7 @@ def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_step", "retrieval", "rollout", "endpoint", "lora", "lora_push"])
+@pytest.mark.parametrize("script", ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "lora", "lora_push"])
 def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
     run_bench(script, SMOKE[script].split(), tmp_path)
     assert (tmp_path / "outputs" / "bench" / f"{script}.json").is_file()

@@ -123,7 +123,8 @@ class EndpointAgent:
         self.episode_timeout_s, self.stall_timeout_s = episode_timeout_s, stall_timeout_s
         self.rollout_timeout_s = rollout_timeout_s
         self.scheduler = Scheduler(batch_wait_s)
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+        for name in ("httpx", "httpx2"):  # the HTTP clients of openai and of the agent frameworks: a line per request
+            logging.getLogger(name).setLevel(logging.WARNING)
         self._episodes: dict[str, Episode] = {}
         self._round: str | None = None
         self._lock = threading.Lock()  # an episode's end: set once, by its coroutine or by the watchdog

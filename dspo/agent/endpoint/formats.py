@@ -8,7 +8,10 @@ completion stops, and how its text becomes an assistant message with `tool_calls
   without tool schemas (the instruction describes the tags); from then on the episode is one assistant turn, as in
   Search-R1: a tool message is spliced in as `\\n\\n<information>…</information>\\n\\n` (the built-in loop's wrappers,
   tokenized apart from the observation as it does), and a call is `<search> query </search>` (any tool with a
-  `tag_argument`). A user message after the first assistant message has no place in this format and is refused.
+  `tag_argument`). A history that goes on after a user message (a framework that rewrites tool turns as user
+  messages, like smolagents) is rendered as the chat template renders a multi-turn chat, each earlier assistant turn
+  written as the model writes it in this format (its calls as tags, its tool results spliced in), and only the turn
+  after the last user message spliced by tokens: such a request extends no earlier one, so it is a new sample.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from typing import Any
 
 from dspo.agent import parsing
 from dspo.agent.endpoint import chat
-from dspo.agent.endpoint.episodes import RequestError
 from dspo.agent.prompts import ToolTurnTemplate
 from dspo.agent.tool_calling import ANSWER_CLOSE
 
+_TURN_ROLES = frozenset({"assistant", "tool"})  # what one searchr1 assistant turn is made of
 Parsed = tuple[dict, bool, list[tuple[str, str]]]  # (assistant message, has tool calls, malformed calls: (tool, kind))
 
 
@@ -55,29 +58,47 @@ class SearchR1Format:
         self.closes = parsing.call_closes(tools, "searchr1")
 
     def prompt_ids(self, messages: Sequence[dict], schemas: Sequence[dict] | None) -> list[int]:
-        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
-        head = self.tokenizer.apply_chat_template(list(messages[:first]), add_generation_prompt=True, tokenize=False)
+        """The template renders everything up to the last user (or system) message, earlier assistant turns folded
+        into this format's text; the assistant turn after it is spliced by tokens, as the built-in loop writes it."""
+        last = max((i for i, m in enumerate(messages) if m.get("role") not in _TURN_ROLES), default=-1)
+        head = self.tokenizer.apply_chat_template(
+            self._folded(messages[: last + 1]), add_generation_prompt=True, tokenize=False
+        )
         ids = self.tokenizer.encode(head, add_special_tokens=False)
-        for message in messages[first:]:
+        for message in messages[last + 1 :]:
             ids += self._turn_ids(message)
         return ids
 
-    def following_ids(self, messages: Sequence[dict], schemas: Sequence[dict] | None, at: int) -> list[int]:
+    def following_ids(self, messages: Sequence[dict], schemas: Sequence[dict] | None, at: int) -> list[int] | None:
+        """None when a user or system message follows: the episode's assistant turn ends there, and the template
+        renders what comes after it (`prompt_ids`)."""
+        if any(m.get("role") not in _TURN_ROLES for m in messages[at + 1 :]):
+            return None
         return [t for message in messages[at + 1 :] for t in self._turn_ids(message)]
 
     def _turn_ids(self, message: dict) -> list[int]:
-        role, content = message.get("role"), chat.normalized(message)[1]
-        if role == "tool":
-            observation = self.tokenizer.encode(content, add_special_tokens=False)
+        if message.get("role") == "tool":
+            observation = self.tokenizer.encode(chat.normalized(message)[1], add_special_tokens=False)
             return self.wrapper.prefix_ids + observation + self.wrapper.suffix_ids
-        if role == "assistant":
-            calls = "".join(self._call_text(call) for call in message.get("tool_calls") or [])
-            return self.tokenizer.encode(content + calls, add_special_tokens=False)
-        raise RequestError(
-            400,
-            f"a {role} message after the first assistant message: rollout.agent.tag_format=searchr1 keeps an episode "
-            "in one assistant turn (only assistant and tool messages may follow it); use tag_format=qwen",
-        )
+        return self.tokenizer.encode(self._turn_text(message), add_special_tokens=False)
+
+    def _turn_text(self, message: dict) -> str:
+        content = chat.normalized(message)[1]
+        if message.get("role") == "tool":
+            return self.wrapper.prefix_text + content + self.wrapper.suffix_text
+        return content + "".join(self._call_text(call) for call in message.get("tool_calls") or [])
+
+    def _folded(self, messages: Sequence[dict]) -> list[dict]:
+        """Each run of assistant and tool messages as one assistant message with this format's text."""
+        folded: list[dict] = []
+        for message in messages:
+            if message.get("role") not in _TURN_ROLES:
+                folded.append({"role": message["role"], "content": chat.normalized(message)[1]})
+            elif folded and folded[-1]["role"] == "assistant":
+                folded[-1]["content"] += self._turn_text(message)
+            else:
+                folded.append({"role": "assistant", "content": self._turn_text(message)})
+        return folded
 
     def _call_text(self, call: dict) -> str:
         function = call.get("function", {})

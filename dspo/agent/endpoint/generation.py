@@ -12,6 +12,7 @@ loop's stops; `formats`).
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -117,8 +118,9 @@ class Generator:
         the last exchange; else the whole conversation rendered."""
         if episode.messages is not None and chat.extends(request.messages, episode.messages, episode.returned):
             ids = self.format.following_ids(request.messages, request.tools, len(episode.messages))
-            completion = list(episode.calls[-1].completions[0].token_ids)
-            return episode.last_ids + ids[_token_overlap(completion, ids) :]
+            if ids is not None:
+                completion = list(episode.calls[-1].completions[0].token_ids)
+                return episode.last_ids + ids[_token_overlap(completion, ids) :]
         return self.format.prompt_ids(request.messages, request.tools)
 
     def _answer(self, episode: Episode, request: ChatRequest, prompt: list[int], generations: list[Generation]) -> dict:
@@ -128,6 +130,8 @@ class Generator:
             if generation.stop_reason in request.stop and generation.stop_reason not in kept:
                 text = text[: text.rfind(generation.stop_reason)]
             message, has_calls, invalid = self.format.message(text, self.eos_text, request.tool_names)
+            for call in message.get("tool_calls") or []:  # unique, as OpenAI's: frameworks key results by call id
+                call["id"] = f"call_{uuid.uuid4().hex[:24]}"
             finish = "length" if generation.finish_reason == "length" else "tool_calls" if has_calls else "stop"
             choices.append(Choice(message, finish, generation))
             malformed.append(invalid)
