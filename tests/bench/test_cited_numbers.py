@@ -35,6 +35,7 @@ STAMPS: dict[str, Callable[[dict], list[dict]]] = {
             "profile_dspo_step.json",
             "endpoint.json",
             "endpoint_random_vocab151k.json",
+            "frameworks.json",
             "lora.json",
             "lora_push.json",
         )
@@ -60,6 +61,10 @@ def run(workload: str, run_key: str, key: str = "round_s") -> Callable[[dict], f
 
 def correction(mode: str, k: int, key: str) -> Callable[[dict], float]:
     return lambda d: next(r[key] for r in d["summary"] if r["mode"] == mode and r["k"] == k)
+
+
+def framework(name: str, key: str = "ms_per_call") -> Callable[[dict], float]:
+    return lambda d: d["results"][name][key]
 
 
 # (document, the cited text, the number in it, results file, the figure in the cited unit)
@@ -117,6 +122,19 @@ CITED: list[Cited] = [
      correction("seq_prod_tis", 1, "mismatch/ess")),
     ("README.md", "effective sample size of 0.91 / 0.82", "0.82", "correction.json",
      correction("seq_prod_tis", 2, "mismatch/ess")),
+    ("docs/agents.md", "| kept | 1 | 2.5 | - |", "2.5", "frameworks.json", framework("openai_agent")),
+    ("docs/agents.md", "| kept | 1 | 30.3 | +27.8 ms |", "30.3", "frameworks.json", framework("langgraph_agent")),
+    ("docs/agents.md", "| kept | 1 | 30.3 | +27.8 ms |", "27.8", "frameworks.json",
+     framework("langgraph_agent", "overhead_ms_per_call")),
+    ("docs/agents.md", "| kept | 1 | 4.4 | +1.9 ms |", "4.4", "frameworks.json", framework("openai_agents_sdk_agent")),
+    ("docs/agents.md", "| kept | 1 | 4.4 | +1.9 ms |", "1.9", "frameworks.json",
+     framework("openai_agents_sdk_agent", "overhead_ms_per_call")),
+    ("docs/agents.md", "| rewritten | 2 | 19.8 | +17.3 ms |", "19.8", "frameworks.json", framework("smolagents_agent")),
+    ("docs/agents.md", "| rewritten | 2 | 19.8 | +17.3 ms |", "17.3", "frameworks.json",
+     framework("smolagents_agent", "overhead_ms_per_call")),
+    ("docs/agents.md", "| rewritten | 2 | 8.4 | +5.9 ms |", "8.4", "frameworks.json", framework("pydantic_ai_agent")),
+    ("docs/agents.md", "| rewritten | 2 | 8.4 | +5.9 ms |", "5.9", "frameworks.json",
+     framework("pydantic_ai_agent", "overhead_ms_per_call")),
     ("README.md", "1.05x the built-in round with the 151k vocabulary", "1.05", "endpoint_random_vocab151k.json",
      lambda d: d["endpoint_over_builtin_round"]),
     ("README.md", "1.68x on the toy (not met", "1.68", "endpoint.json", lambda d: d["endpoint_over_builtin_round"]),

@@ -52,7 +52,9 @@ def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "lora", "lora_push"])
+@pytest.mark.parametrize(
+    "script", ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "lora", "lora_push"]
+)
 def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
     run_bench(script, SMOKE[script].split(), tmp_path)
     assert (tmp_path / "outputs" / "bench" / f"{script}.json").is_file()
