@@ -95,7 +95,7 @@ def test_a_failed_weight_receiver_ends_the_engine_process_at_once(monkeypatch):
         worker.close()
 
 
-TRIALS = int(os.environ.get("DSPO_KILL_TRIALS", "12"))
+TRIALS = int(os.environ.get("DSPO_KILL_TRIALS", "6"))  # DSPO_KILL_TRIALS=50 for a deeper search
 
 
 @pytest.mark.slow  # a k = 1 toy run per trial (an engine process start-up each): about 10 s a trial
