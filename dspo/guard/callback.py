@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -162,7 +161,7 @@ class Guard(pl.Callback):
         return {n: Verdict(score, True, reason) for n, (score, reason) in shared.items()}
 
     def _log(self, pl_module: pl.LightningModule, verdicts: dict[str, Verdict]) -> None:
-        values = {f"guard/{name}": v.score if math.isfinite(v.score) else -1.0 for name, v in verdicts.items()}
+        values = {f"guard/{name}": v.score for name, v in verdicts.items()}
         values.update({"guard/rollbacks": float(self.rollbacks), "guard/lr_scale": self.lr_scale})
         pl_module.log_dict(values, on_step=True, batch_size=1)
 

@@ -96,6 +96,10 @@ class Detector:
         self.state = dict(state)
 
 
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 DETECTORS: Registry[type[Detector]] = Registry("guard detector", "guard.detectors")
 
 
@@ -123,7 +127,7 @@ class RewardDrop(Detector):
         patience: int = 3
 
     def observe(self, signals: RoundSignals) -> Verdict:
-        if signals.sampled_reward is None:
+        if not _finite(signals.sampled_reward):  # non_finite's case; a NaN would stay in the EMA for good
             return Verdict(0.0)
         s, st = self.settings, self.state
         ema = st.get("ema", signals.sampled_reward)
@@ -150,7 +154,7 @@ class ValidationDrop(Detector):
 
     def observe(self, signals: RoundSignals) -> Verdict:
         st = self.state
-        if signals.validation is None:
+        if not _finite(signals.validation):
             return Verdict(st.get("best", 0.0) - st.get("last", st.get("best", 0.0)))
         st["last"] = signals.validation
         st["best"] = max(st.get("best", signals.validation), signals.validation)
@@ -174,7 +178,7 @@ class EntropyCollapse(Detector):
         high: float = 3.0
 
     def observe(self, signals: RoundSignals) -> Verdict:
-        if signals.entropy is None:
+        if not _finite(signals.entropy):
             return Verdict(0.0)
         warm = self.warming_up()
         base = self.baseline("baseline", signals.entropy)
@@ -198,13 +202,13 @@ class LengthExplosion(Detector):
         max_truncated_rise: float = 0.3
 
     def observe(self, signals: RoundSignals) -> Verdict:
-        if signals.response_tokens is None:
+        if not _finite(signals.response_tokens):
             return Verdict(0.0)
         warm = self.warming_up()
         base = self.baseline("tokens", signals.response_tokens)
         ratio = signals.response_tokens / base if base > 0 else 1.0
         rise = 0.0
-        if signals.truncated_share is not None:
+        if _finite(signals.truncated_share):
             rise = signals.truncated_share - self.baseline("truncated", signals.truncated_share)
         fired = not warm and (ratio > self.settings.max_ratio or rise > self.settings.max_truncated_rise)
         return Verdict(ratio, fired, f"length {ratio:.2f}x its warm-up level, truncated share +{rise:.2f}")
@@ -227,7 +231,7 @@ class GradSpike(Detector):
 
     def observe(self, signals: RoundSignals) -> Verdict:
         norm = signals.grad_norm
-        if norm is None or not math.isfinite(norm):
+        if not _finite(norm):
             return Verdict(0.0)
         warm = self.warming_up()
         history: list[float] = self.state.setdefault("history", [])
@@ -268,12 +272,12 @@ class NoSearch(Detector):
         hold: float = 0.1
 
     def observe(self, signals: RoundSignals) -> Verdict:
-        if signals.no_search_share is None:
+        if not _finite(signals.no_search_share):
             return Verdict(0.0)
         warm = self.warming_up()
         rise = signals.no_search_share - self.baseline("share", signals.no_search_share)
         holds = True
-        if signals.searched_reward is not None:
+        if _finite(signals.searched_reward):
             holds = signals.searched_reward >= self.baseline("searched", signals.searched_reward) - self.settings.hold
         fired = not warm and rise > self.settings.max_rise and holds
         return Verdict(rise, fired, f"no-search share {signals.no_search_share:.2f} (+{rise:.2f}), searched holds")
