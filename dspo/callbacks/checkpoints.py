@@ -97,7 +97,10 @@ class RoundCheckpoint(ModelCheckpoint):
         before; `last.ckpt` (rewritten every round) is kept as a copy, `healthy.ckpt`. Returns the kept file."""
         if Path(path).name == "last.ckpt":
             copy = Path(path).with_name("healthy.ckpt")
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and Path(path).is_dir():  # trainer=fsdp: a folder of shards
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(path, copy)
+            elif trainer.is_global_zero:
                 shutil.copy2(path, copy)  # copy2 keeps the mtime: `ckpt_path=last` still prefers last.ckpt
             trainer.strategy.barrier("dspo_guard_keep")
             path = str(copy)

@@ -17,20 +17,11 @@ def restore(trainer: pl.Trainer, pl_module: pl.LightningModule, path: str, lr_sc
     """Load `path`'s weights, optimizer and scheduler into the running trainer (every rank loads the same file), set
     the learning rate to `optimizer.lr x lr_scale`, and move `weights_version` so that the engine gets the restored
     weights before its next round (in this process or the engine process at k >= 1)."""
-    if Path(path).is_dir():
-        raise RuntimeError(
-            f"guard: cannot roll back to {path}: a sharded (trainer=fsdp) checkpoint folder is not restored in a "
-            "running job; set guard.detectors.<name>.action=stop (or warn) for FSDP runs"
-        )
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # no arbitrary unpickling
-    missing, unexpected = pl_module.load_state_dict(checkpoint["state_dict"], strict=False)
-    trained = {name for name, p in pl_module.named_parameters() if p.requires_grad}  # not LoRA's frozen base
-    if unexpected or any(key in trained for key in missing):
-        raise RuntimeError(
-            f"guard: {path} does not match the policy (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    optimizer = trainer.optimizers[0]
-    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    if Path(path).is_dir():  # trainer=fsdp: the strategy reads each rank's shards into the model and optimizer
+        checkpoint = trainer.strategy.load_checkpoint(path, weights_only=True)
+    else:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # no arbitrary unpickling
+        _load_file(trainer, pl_module, checkpoint, path)
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
     set_lr_scale(pl_module, lr_scale)
@@ -45,3 +36,14 @@ def set_lr_scale(pl_module: pl.LightningModule, lr_scale: float) -> None:
     factors = getattr(scheduler, "lr_lambdas", None) or [lambda _: 1.0] * len(scheduler.base_lrs)
     for group, factor in zip(scheduler.optimizer.param_groups, factors, strict=True):
         group["lr"] = base * factor(scheduler.last_epoch)
+
+
+def _load_file(trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict, path: str) -> None:
+    """Weights and optimizer state of a single-file checkpoint (every rank holds the full state)."""
+    missing, unexpected = pl_module.load_state_dict(checkpoint["state_dict"], strict=False)
+    trained = {name for name, p in pl_module.named_parameters() if p.requires_grad}  # not LoRA's frozen base
+    if unexpected or any(key in trained for key in missing):
+        raise RuntimeError(
+            f"guard: {path} does not match the policy (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    trainer.optimizers[0].load_state_dict(checkpoint["optimizer_states"][0])
