@@ -94,14 +94,12 @@ class RoundCheckpoint(ModelCheckpoint):
 
     def keep_healthy(self, trainer: pl.Trainer, path: str) -> str:
         """Keep `path` (the guard's newest healthy checkpoint) whatever `keep_last` says, and drop the one kept
-        before; `last.ckpt` (rewritten every round) is kept as a copy, `healthy.ckpt`. Returns the kept file."""
+        before; `last.ckpt` (rewritten every round; keep_last=0) is kept as a copy, `healthy.ckpt`, made once per new
+        healthy checkpoint. Returns the kept file."""
         if Path(path).name == "last.ckpt":
             copy = Path(path).with_name("healthy.ckpt")
-            if trainer.is_global_zero and Path(path).is_dir():  # trainer=fsdp: a folder of shards
-                shutil.rmtree(copy, ignore_errors=True)
-                shutil.copytree(path, copy)
-            elif trainer.is_global_zero:
-                shutil.copy2(path, copy)  # copy2 keeps the mtime: `ckpt_path=last` still prefers last.ckpt
+            if trainer.is_global_zero:
+                _copy(Path(path), copy)
             trainer.strategy.barrier("dspo_guard_keep")
             path = str(copy)
         previous, self.kept = self.kept, path
@@ -114,6 +112,18 @@ class RoundCheckpoint(ModelCheckpoint):
         if filepath == self.kept:  # the rollback target outlives keep_last
             return
         super()._remove_checkpoint(trainer, filepath)
+
+
+def _copy(source: Path, target: Path) -> None:
+    """`target` = a copy of `source` (a file, or the folder of a trainer=fsdp checkpoint). A copy, not a hard link:
+    a save that bypasses dspo.checkpointing's atomic replace may rewrite `last.ckpt` in place. copy2 keeps the mtime,
+    so `ckpt_path=last` still prefers `last.ckpt`."""
+    if target.is_dir():
+        shutil.rmtree(target)
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copy2(source, target)
 
 
 def round_position(batch: Any) -> tuple[int, int] | None:
