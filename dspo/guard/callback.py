@@ -111,10 +111,8 @@ class Guard(pl.Callback):
         verdicts = {name: detector.observe(signals) for name, detector in self.detectors.items()}
         fired = self._agreed(trainer, {n: v for n, v in verdicts.items() if v.fired})
         self._log(pl_module, verdicts)
-        if fired:
-            self._act(trainer, pl_module, signals, fired)
-        else:
-            self._promote(trainer)
+        if not fired or self._act(trainer, pl_module, signals, fired) == "warn":
+            self._promote(trainer)  # a warning is a sign, not damage: the checkpoint stays a rollback target
 
     # ------------------------------------------------------------------------------------------ signals
     def _collect_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -166,10 +164,12 @@ class Guard(pl.Callback):
         pl_module.log_dict(values, on_step=True, batch_size=1)
 
     # ------------------------------------------------------------------------------------------ actions
-    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: RoundSignals, fired) -> None:
-        self.last_fire_step = trainer.global_step
+    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: RoundSignals, fired) -> str:
+        """Take the most severe action of the detectors that fired; returns what was done."""
         actions = {name: self.detectors[name].settings.action for name in fired}
         action = max(actions.values(), key=SEVERITY.__getitem__)
+        if action != "warn":
+            self.last_fire_step = trainer.global_step
         restored = None
         if action == "rollback" and self.rollbacks >= self.max_rollbacks:
             action = "stop"
@@ -182,6 +182,8 @@ class Guard(pl.Callback):
             self.lr_scale *= self.backoff
             restore(trainer, pl_module, self.healthy, self.lr_scale)
             restored = self.healthy
+            for detector in self.detectors.values():  # their trends restart from the restored policy's rounds
+                detector.after_rollback()
         detail = {n: {"score": v.score, "reason": v.reason, "action": actions[n]} for n, v in fired.items()}
         event = GuardEvent(
             trainer.global_step,
@@ -202,6 +204,7 @@ class Guard(pl.Callback):
                 f"{Path(trainer.default_root_dir) / 'guard.jsonl'}. Lower optimizer.lr, or turn the guard off with "
                 "guard.enabled=false"
             )
+        return action
 
     def _record(self, trainer: pl.Trainer, event: GuardEvent) -> None:
         """The console line and the `guard.jsonl` entry (rank 0)."""

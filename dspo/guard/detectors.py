@@ -89,6 +89,9 @@ class Detector:
             self.state[f"{key}_n"] = n + 1
         return self.state[key]
 
+    def after_rollback(self) -> None:
+        """The policy was restored: forget what describes the rounds since (baselines and bests stay)."""
+
     def state_dict(self) -> dict[str, Any]:
         return dict(self.state)
 
@@ -125,6 +128,12 @@ class RewardDrop(Detector):
         alpha: float = 0.3
         margin: float = 0.2
         patience: int = 3
+
+    def after_rollback(self) -> None:
+        # the EMA holds the collapsed rounds: kept, it would stay below the margin for rounds after the restored
+        # policy is back to its level and roll back again at once
+        self.state.pop("ema", None)
+        self.state["below"] = 0
 
     def observe(self, signals: RoundSignals) -> Verdict:
         if not _finite(signals.sampled_reward):  # non_finite's case; a NaN would stay in the EMA for good

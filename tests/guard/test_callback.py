@@ -85,3 +85,24 @@ def test_a_rollback_over_max_rollbacks_stops(tmp_path):
 def test_a_wrong_setting_names_its_key(kwargs, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         Guard(**kwargs)
+
+
+def test_a_rollback_before_any_healthy_checkpoint_halves_the_rate_only(tmp_path):
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))  # warm-up 2
+    scheduler.step()  # step 1: factor 2/3
+    trainer_ = trainer(tmp_path, rollout__sampled_reward_mean=float("nan"))
+    trainer_.lr_scheduler_configs = [SimpleNamespace(scheduler=scheduler)]
+    guard, module = Guard(detectors={"non_finite": {}}), Module()
+    module.trainer, module.optim_cfg = trainer_, SimpleNamespace(lr=1e-3)
+    end_round(guard, trainer_, module, 0)
+    assert guard.events[0].action == "backoff" and guard.rollbacks == 0 and guard.lr_scale == 0.5
+    assert scheduler.base_lrs == [5e-4] and optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * 2 / 3)
+    assert guard.last_fire_step == 1  # a checkpoint saved before this round is no rollback target
+
+
+def test_a_warning_does_not_stop_a_checkpoint_from_becoming_healthy(tmp_path):
+    guard = Guard(detectors={"non_finite": {"action": "warn"}})
+    end_round(guard, trainer(tmp_path, rollout__sampled_reward_mean=float("nan")), Module(), 0)
+    assert guard.events[0].action == "warn" and guard.last_fire_step == -1

@@ -135,3 +135,13 @@ def test_a_wrong_detector_config_names_its_key(config, message):
 
 def test_a_null_entry_turns_a_detector_off():
     assert set(build_detectors({"entropy": None, "val_drop": {}})) == {"val_drop"}
+
+
+def test_reward_drop_restarts_its_ema_after_a_rollback():
+    (detector,) = build_detectors({"reward_drop": {"alpha": 0.5, "margin": 0.3, "patience": 1, "warmup": 0}}).values()
+    verdicts = [detector.observe(s) for s in rounds(sampled_reward=[0.8, 0.0])]  # EMA 0.8, 0.4: 0.4 below -> fires
+    assert [v.fired for v in verdicts] == [False, True]
+    detector.after_rollback()
+    # the restored policy's first round, 0.7: a fresh EMA of 0.7, 0.1 below the best (kept: 0.55, 0.25 below)
+    after = detector.observe(RoundSignals(2, 3, sampled_reward=0.7))
+    assert after.score == pytest.approx(0.1) and not after.fired
