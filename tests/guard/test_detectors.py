@@ -37,19 +37,18 @@ def test_every_detector_is_registered_and_built_by_default():
 
 
 def test_reward_drop_fires_after_patience_rounds_below_the_best_ema():
-    # alpha 0.5: EMA 0.8, 0.8, 0.4 (drop 0.4), 0.2 (0.6), 0.1 (0.7); margin 0.3, patience 2 -> fires at round 4
+    # alpha 0.5: EMA 0.8, 0.8, 0.4 (1 - 0.4/0.8 = 0.5 below), 0.2 (0.75), 0.1 (0.875); drop 0.4, patience 2 -> fires at
+    # round 3
     out = observe(
-        "reward_drop", rounds(sampled_reward=[0.8, 0.8, 0.0, 0.0, 0.0]), alpha=0.5, margin=0.3, patience=2, warmup=1
+        "reward_drop", rounds(sampled_reward=[0.8, 0.8, 0.0, 0.0, 0.0]), alpha=0.5, drop=0.4, patience=2, warmup=1
     )
-    assert [round(v.score, 6) for v in out] == [0.0, 0.0, 0.4, 0.6, 0.7]
+    assert [round(v.score, 6) for v in out] == [0.0, 0.0, 0.5, 0.75, 0.875]
     assert [v.fired for v in out] == [False, False, False, True, True]
     assert "0.100" in out[-1].reason and "0.800" in out[-1].reason
 
 
 def test_reward_drop_resets_its_patience_when_the_reward_recovers():
-    out = observe(
-        "reward_drop", rounds(sampled_reward=[0.8, 0.0, 0.8, 0.0]), alpha=1.0, margin=0.3, patience=2, warmup=0
-    )
+    out = observe("reward_drop", rounds(sampled_reward=[0.8, 0.0, 0.8, 0.0]), alpha=1.0, drop=0.3, patience=2, warmup=0)
     assert [v.fired for v in out] == [False, False, False, False]  # never two rounds in a row below
 
 
@@ -138,10 +137,11 @@ def test_a_null_entry_turns_a_detector_off():
 
 
 def test_reward_drop_restarts_its_ema_after_a_rollback():
-    (detector,) = build_detectors({"reward_drop": {"alpha": 0.5, "margin": 0.3, "patience": 1, "warmup": 0}}).values()
+    (detector,) = build_detectors({"reward_drop": {"alpha": 0.5, "drop": 0.3, "patience": 1, "warmup": 0}}).values()
     verdicts = [detector.observe(s) for s in rounds(sampled_reward=[0.8, 0.0])]  # EMA 0.8, 0.4: 0.4 below -> fires
     assert [v.fired for v in verdicts] == [False, True]
     detector.after_rollback()
-    # the restored policy's first round, 0.7: a fresh EMA of 0.7, 0.1 below the best (kept: 0.55, 0.25 below)
+    # the restored policy's first round, 0.7: a fresh EMA of 0.7, 1 - 0.7/0.8 = 12.5 % below the best (kept: 0.55,
+    # 31 % below: it would fire again)
     after = detector.observe(RoundSignals(2, 3, sampled_reward=0.7))
-    assert after.score == pytest.approx(0.1) and not after.fired
+    assert after.score == pytest.approx(0.125) and not after.fired
