@@ -9,7 +9,8 @@ logged as `guard/<name>`, with `guard/rollbacks` and `guard/lr_scale`. When one 
 - stop: the run ends with `GuardStop` (non-zero exit), as does a rollback beyond `max_rollbacks`.
 
 Healthy: a round's data is sampled by the weights of the previous checkpoint, so a checkpoint becomes healthy when a
-later round ends with no detector firing since it was saved (a validation after it included). The guard evaluates
+later round ends with no detector firing (or suspecting the round, `Verdict.suspect`) since it was saved (a validation
+after it included). The guard evaluates
 before the round's checkpoint is written (Lightning runs checkpoint callbacks last), so that checkpoint holds the
 restored weights after a rollback. With several ranks, rank 0's verdict is broadcast and every rank acts on it.
 The guard only reads unless it fires: a run where nothing fires trains exactly as without it.
@@ -109,10 +110,11 @@ class Guard(pl.Callback):
         round_index = position[0] if position is not None else trainer.global_step // self.steps_per_round
         signals = self._signals(trainer, round_index)
         verdicts = {name: detector.observe(signals) for name, detector in self.detectors.items()}
-        fired = self._agreed(trainer, {n: v for n, v in verdicts.items() if v.fired})
+        fired, suspect = self._agreed(trainer, verdicts)
         self._log(pl_module, verdicts)
-        if not fired or self._act(trainer, pl_module, signals, fired) == "warn":
-            self._promote(trainer)  # a warning is a sign, not damage: the checkpoint stays a rollback target
+        action = self._act(trainer, pl_module, signals, fired) if fired else None
+        if action in (None, "warn") and not suspect:  # a warning is a sign, not damage
+            self._promote(trainer)
 
     # ------------------------------------------------------------------------------------------ signals
     def _collect_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -150,13 +152,17 @@ class Guard(pl.Callback):
             skipped_steps=len(steps.get("skipped", [])),
         )
 
-    def _agreed(self, trainer: pl.Trainer, fired: dict[str, Verdict]) -> dict[str, Verdict]:
-        """Rank 0's verdicts on every rank: the ranks' own numbers differ (each logs its share of the round), and
-        a rollback or a stop that only some ranks took would leave the others waiting in a collective."""
+    def _agreed(self, trainer: pl.Trainer, verdicts: dict[str, Verdict]) -> tuple[dict[str, Verdict], bool]:
+        """The detectors that fired, and whether any round looks bad (no checkpoint becomes healthy), as rank 0 sees
+        them, on every rank: the ranks' own numbers differ (each logs its share of the round), and a rollback or a
+        stop that only some ranks took would leave the others waiting in a collective."""
+        fired = {n: v for n, v in verdicts.items() if v.fired}
+        suspect = any(v.suspect for v in verdicts.values())  # a firing is acted on: a warning leaves it healthy
         if trainer.world_size == 1:
-            return fired
-        shared = trainer.strategy.broadcast({n: (v.score, v.reason) for n, v in fired.items()}, src=0)
-        return {n: Verdict(score, True, reason) for n, (score, reason) in shared.items()}
+            return fired, suspect
+        shared = {n: (v.score, v.reason) for n, v in fired.items()}
+        shared, suspect = trainer.strategy.broadcast((shared, suspect), src=0)
+        return {n: Verdict(score, True, reason) for n, (score, reason) in shared.items()}, suspect
 
     def _log(self, pl_module: pl.LightningModule, verdicts: dict[str, Verdict]) -> None:
         values = {f"guard/{name}": v.score for name, v in verdicts.items()}

@@ -44,11 +44,14 @@ class RoundSignals:
 
 @dataclass(frozen=True)
 class Verdict:
-    """A detector's answer for one round: its `score` (logged), whether it `fired`, and the numbers behind it."""
+    """A detector's answer for one round: its `score` (logged), whether it `fired`, and the numbers behind it.
+    `suspect`: the round looks bad though the detector does not fire yet (its patience runs): the checkpoint that
+    sampled it must not become the rollback target."""
 
     score: float
     fired: bool = False
     reason: str = ""
+    suspect: bool = False
 
 
 @dataclass
@@ -148,7 +151,11 @@ class RewardDrop(Detector):
         score = 1 - ema / best if best > 0 else 0.0
         st["below"] = st.get("below", 0) + 1 if score > s.drop and not warm else 0
         fired = st["below"] >= s.patience
-        return Verdict(score, fired, f"reward EMA {ema:.3f} is {score:.0%} below its best {best:.3f}")
+        # the round's own reward under the bar (warm-up too): the weights that sampled it are no rollback target, even
+        # before the EMA crosses (a collapse is rounds old when it does)
+        suspect = best > 0 and signals.sampled_reward < best * (1 - s.drop)
+        reason = f"reward EMA {ema:.3f} is {score:.0%} below its best {best:.3f}"
+        return Verdict(score, fired, reason, suspect=suspect)
 
 
 @register_detector("val_drop")

@@ -106,3 +106,21 @@ def test_a_warning_does_not_stop_a_checkpoint_from_becoming_healthy(tmp_path):
     guard = Guard(detectors={"non_finite": {"action": "warn"}})
     end_round(guard, trainer(tmp_path, rollout__sampled_reward_mean=float("nan")), Module(), 0)
     assert guard.events[0].action == "warn" and guard.last_fire_step == -1
+
+
+def test_a_suspect_round_keeps_the_checkpoint_that_sampled_it_from_becoming_healthy(tmp_path):
+    from dspo.callbacks.checkpoints import RoundCheckpoint
+
+    checkpoint, removed = RoundCheckpoint(str(tmp_path), keep_last=-1), []
+    trainer_ = trainer(tmp_path, rollout__sampled_reward_mean=0.8)
+    trainer_.callbacks = [checkpoint]
+    trainer_.strategy = SimpleNamespace(barrier=lambda name=None: None, remove_checkpoint=removed.append)
+    guard = Guard(detectors={"reward_drop": {"drop": 0.5, "warmup": 0}})  # alpha 0.3, patience 3
+    paths = [str(tmp_path / f"step{i:05d}.ckpt") for i in range(4)]
+    for round_index, reward in enumerate([0.8, 0.1, 0.8]):
+        checkpoint.newest = (round_index + 1, paths[round_index + 1])  # saved after the previous round
+        trainer_.callback_metrics["rollout/sampled_reward_mean"] = torch.tensor(reward)
+        end_round(guard, trainer_, Module(), round_index)
+        if round_index == 1:  # 0.1 < 0.8 x 0.5: suspect (the EMA, 0.59, is 26 % below: no firing yet)
+            assert guard.healthy == paths[1] and not guard.events
+    assert guard.healthy == paths[3] and removed == [paths[1]]  # EMA 0.65, round 0.8: healthy again

@@ -44,6 +44,8 @@ def test_reward_drop_fires_after_patience_rounds_below_the_best_ema():
     )
     assert [round(v.score, 6) for v in out] == [0.0, 0.0, 0.5, 0.75, 0.875]
     assert [v.fired for v in out] == [False, False, False, True, True]
+    # a round under the bar (0 < 0.8 x 0.6) is suspect at once: its weights become no rollback target
+    assert [v.suspect for v in out] == [False, False, True, True, True]
     assert "0.100" in out[-1].reason and "0.800" in out[-1].reason
 
 
