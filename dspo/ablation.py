@@ -14,6 +14,7 @@ Definitions (stated in the README next to the numbers):
   warm start worse), or its sampled reward over the last fifth of the rounds is under half that of the first fifth;
 - compute-matched curves: validation scores against `rollout/generated_tokens_total`, every token sampled so far
   (groups the filter dropped included), linearly interpolated onto a common token grid per algorithm;
+- rollbacks: the collapse guard's rollbacks in a run (`guard.jsonl`, dspo.guard), summed per algorithm;
 - clip activity: `loss/clipfrac` and the spread `loss/ratio_min`..`loss/ratio_max` per position of the optimizer step
   in its round (0 = first mini-batch, on-policy, ratio exactly 1; later ones are off-policy).
 """
@@ -73,7 +74,17 @@ def run_record(run: RunInfo) -> dict[str, float | str | int | bool | None]:
     record["sampled_reward_mean"] = float(reward.mean()) if len(reward) else math.nan
     record["generated_tokens"] = float(tokens.iloc[-1]) if len(tokens) else math.nan
     record["collapsed"] = collapsed(val, reward)
+    record["rollbacks"] = rollbacks(run.dir)
     return record
+
+
+def rollbacks(run_dir: Path) -> int:
+    """The guard's rollbacks in a run: its `guard.jsonl` lines whose action is `rollback` (0 without the file)."""
+    path = Path(run_dir) / "guard.jsonl"
+    if not path.is_file():
+        return 0
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sum(event.get("action") == "rollback" for event in events)
 
 
 def _final(val: pd.Series) -> float:
@@ -106,6 +117,7 @@ def summary(records: Sequence[dict]) -> pd.DataFrame:
             mean, half = ci95(group[metric].tolist())
             row[metric], row[f"{metric}±"] = mean, half
         row["collapsed"] = int(group["collapsed"].sum())
+        row["rollbacks"] = int(group["rollbacks"].sum()) if "rollbacks" in group else 0
         row["no_final_val"] = int(group["val_final"].isna().sum())
         rows.append(row)
     return pd.DataFrame(rows).set_index("algorithm")
@@ -247,6 +259,8 @@ def format_summary(table: pd.DataFrame) -> pd.DataFrame:
         if column in table.columns:
             out[heading] = [_plus_minus(m, h, fmt) for m, h in zip(table[column], table[f"{column}±"], strict=True)]
     out["collapsed"] = [f"{int(c)} / {int(n)}" for c, n in zip(table["collapsed"], table["n"], strict=True)]
+    if "rollbacks" in table.columns:  # reports written before issue 55 have none
+        out["rollbacks"] = table["rollbacks"].fillna(0).astype(int)
     return out
 
 

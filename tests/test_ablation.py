@@ -41,6 +41,8 @@ def sweep(tmp_path_factory) -> Path:
     write_run(root / "0_dspo_seed0", "dspo", 0, {0: 0.2, 2: 0.3, 4: 0.5}, [0.3, 0.4])
     write_run(root / "1_dspo_seed1", "dspo", 1, {0: 0.2, 2: 0.4, 4: 0.6}, [0.3, 0.5])
     write_run(root / "2_grpo_seed0", "grpo", 0, {0: 0.2, 2: 0.1, 4: 0.1}, [0.3, 0.1])  # collapses
+    actions = ["warn", "rollback", "rollback"]  # the guard's log (dspo.guard): a warning is not a rollback
+    (root / "2_grpo_seed0" / "guard.jsonl").write_text("".join(f'{{"action": "{a}"}}\n' for a in actions))
     return root
 
 
@@ -73,6 +75,9 @@ def test_records_and_summary(sweep) -> None:
     assert table.loc["dspo", "val_gain"] == pytest.approx(0.35)
     assert table.loc["dspo", "val_final±"] == pytest.approx(12.706 * math.sqrt(0.005) / math.sqrt(2))
     assert table.loc["grpo", "collapsed"] == 1 and table.loc["dspo", "collapsed"] == 0
+    assert [r["rollbacks"] for r in records] == [0, 0, 2]
+    assert table.loc["grpo", "rollbacks"] == 2 and table.loc["dspo", "rollbacks"] == 0
+    assert list(ablation.format_summary(table)["rollbacks"]) == [0, 2]
 
 
 def test_curves_against_generated_tokens(sweep) -> None:

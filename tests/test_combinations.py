@@ -82,6 +82,7 @@ SWITCHES: tuple[Switch, ...] = (
         {"token_tis": (("algorithm", "dspo"),)},
     ),
     Switch("ranks", "trainer.devices", {"1": (), "2": ("trainer=ddp", "trainer.devices=2")}),
+    Switch("guard", "guard.enabled", {"on": (), "off": ("guard.enabled=false",)}),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 Setting = tuple[str, str]  # (switch, value)

@@ -49,6 +49,11 @@ METRICS = [
     "mismatch/kl_k3",
     "mismatch/weight_mean",
     "mismatch/masked_share",
+    "rollout/no_search_share",
+    "guard/reward_drop",  # the collapse guard is on by default (dspo.guard): its scores, rollbacks and rate factor
+    "guard/entropy",
+    "guard/rollbacks",
+    "guard/lr_scale",
 ]
 
 

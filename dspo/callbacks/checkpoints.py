@@ -6,6 +6,8 @@ stops without saving (it also issues a collective from inside the signal handler
 
 - `RoundCheckpoint` saves every `every_n_rounds` rounds (always at a round boundary) and keeps the `keep_last` newest
   (monitor = the global step, mode max), plus `last.ckpt`. A `kill -9` then loses at most `every_n_rounds` rounds.
+  It also keeps the newest checkpoint the guard (`dspo.guard`) marked healthy, even when `keep_last` would drop it:
+  that is the one a rollback restores.
 - `PreemptionCheckpoint` turns SIGTERM / SIGUSR1 (SLURM's `--signal=USR1@120`, Kubernetes' SIGTERM before SIGKILL)
   into a flag; at the end of the current round every rank agrees (any rank signalled -> all stop), `last.ckpt` is
   written and the run stops cleanly. Under SLURM (`SLURM_JOB_ID` set) rank 0 then requeues the job with
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -53,6 +56,8 @@ class RoundCheckpoint(ModelCheckpoint):
                 f"callbacks.checkpoint.keep_last must be -1 (all), 0 (only last.ckpt) or more, got {keep_last}"
             )
         self.every_n_rounds, self.steps_per_round = every_n_rounds, steps_per_round
+        self.newest: tuple[int, str] | None = None  # (global step, file) of the newest round checkpoint
+        self.kept: str | None = None  # the healthy checkpoint (`keep_healthy`): never removed by keep_last
         super().__init__(
             dirpath=dirpath,
             filename=filename,
@@ -84,6 +89,41 @@ class RoundCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+        # keep_last=0 keeps only last.ckpt, which the next round overwrites: `keep_healthy` copies it then
+        self.newest = (trainer.global_step, self.best_model_path or self.last_model_path)
+
+    def keep_healthy(self, trainer: pl.Trainer, path: str) -> str:
+        """Keep `path` (the guard's newest healthy checkpoint) whatever `keep_last` says, and drop the one kept
+        before; `last.ckpt` (rewritten every round; keep_last=0) is kept as a copy, `healthy.ckpt`, made once per new
+        healthy checkpoint. Returns the kept file."""
+        if Path(path).name == "last.ckpt":
+            copy = Path(path).with_name("healthy.ckpt")
+            if trainer.is_global_zero:
+                _copy(Path(path), copy)
+            trainer.strategy.barrier("dspo_guard_keep")
+            path = str(copy)
+        previous, self.kept = self.kept, path
+        stale = previous and previous != path and previous not in self.best_k_models
+        if stale and Path(previous).name != "healthy.ckpt":
+            self._remove_checkpoint(trainer, previous)  # the strategy removes it on rank 0 only
+        return path
+
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if filepath == self.kept:  # the rollback target outlives keep_last
+            return
+        super()._remove_checkpoint(trainer, filepath)
+
+
+def _copy(source: Path, target: Path) -> None:
+    """`target` = a copy of `source` (a file, or the folder of a trainer=fsdp checkpoint). A copy, not a hard link:
+    a save that bypasses dspo.checkpointing's atomic replace may rewrite `last.ckpt` in place. copy2 keeps the mtime,
+    so `ckpt_path=last` still prefers `last.ckpt`."""
+    if target.is_dir():
+        shutil.rmtree(target)
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copy2(source, target)
 
 
 def round_position(batch: Any) -> tuple[int, int] | None:

@@ -113,7 +113,8 @@ class RoundSampler:
         kept: list[RolloutGroup] = []
         sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = failed = 0
         resolved_tokens = 0  # of the groups that finished or were dropped in this round: what the waste is a share of
-        reward_sum = 0.0
+        reward_sum = searched_reward = 0.0
+        unsearched = 0  # episodes that answered without a tool call (the guard's no_search detector)
         details = ToolAndRewardStats(getattr(self.agent, "stat_kinds", CALL_STAT_KINDS))
         retriever = getattr(self.agent, "retriever", None)
         retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
@@ -165,6 +166,8 @@ class RoundSampler:
             details.add(stats, len(groups) * self.spec.group_size)
             trajectories += len(groups) * self.spec.group_size
             truncated += sum(t.truncated for group in groups for t in group.trajectories)
+            unsearched += sum(not t.num_tool_calls for group in groups for t in group.trajectories)
+            searched_reward += sum(t.reward for group in groups for t in group.trajectories if t.num_tool_calls)
             reward_sum += float(rewards.sum())
             sampled += len(groups)
             passed += int(keep.sum())
@@ -186,6 +189,8 @@ class RoundSampler:
             "rollout/sampled_reward_mean": reward_sum / max(trajectories, 1),
             # sampled episodes that ran out of turns or tokens before an answer (deep questions, experiment=toy_deep)
             "rollout/truncated_share": truncated / max(trajectories, 1),
+            "rollout/no_search_share": unsearched / max(trajectories, 1),
+            "rollout/searched_reward_mean": searched_reward / max(trajectories - unsearched, 1),
             # every token generated in this round, filtered-out groups included (with partial rollouts: the tokens of
             # carried groups count in the round that generated them, not in the one they finish or are dropped in)
             "rollout/generated_tokens": float(tokens),

@@ -208,3 +208,35 @@ def test_preemption_handlers_are_restored_when_training_ends(tmp_path: Path) -> 
     )  # fmt: skip
     trainer.fit(Tiny())
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def _guard_trainer(removed: list[str]):
+    from types import SimpleNamespace
+
+    strategy = SimpleNamespace(barrier=lambda name=None: None, remove_checkpoint=removed.append)
+    return SimpleNamespace(is_global_zero=True, strategy=strategy)
+
+
+def test_the_healthy_checkpoint_outlives_keep_last_and_is_dropped_when_a_newer_one_is_healthy(tmp_path):
+    from dspo.callbacks.checkpoints import RoundCheckpoint
+
+    callback, removed = RoundCheckpoint(str(tmp_path), keep_last=1), []
+    trainer = _guard_trainer(removed)
+    step1, step2, step3 = (str(tmp_path / f"step{i:05d}.ckpt") for i in (1, 2, 3))
+    assert callback.keep_healthy(trainer, step1) == step1
+    callback._remove_checkpoint(trainer, step1)  # what keep_last=1 does when step 2 is saved
+    assert removed == []
+    callback.best_k_models = {step3: 3}
+    callback._remove_checkpoint(trainer, step2)
+    assert callback.keep_healthy(trainer, step3) == step3 and removed == [step2, step1]  # the old healthy one goes
+
+
+def test_with_keep_last_0_the_healthy_last_ckpt_is_kept_as_a_copy(tmp_path):
+    from dspo.callbacks.checkpoints import RoundCheckpoint
+
+    callback = RoundCheckpoint(str(tmp_path), keep_last=0)
+    last = tmp_path / "last.ckpt"
+    last.write_bytes(b"round 1")
+    kept = callback.keep_healthy(_guard_trainer([]), str(last))
+    last.write_bytes(b"round 2")  # the next round's save
+    assert kept == str(tmp_path / "healthy.ckpt") and (tmp_path / "healthy.ckpt").read_bytes() == b"round 1"

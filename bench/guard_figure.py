@@ -1,0 +1,70 @@
+"""docs/guard.png: one collapsing toy run with the guard off and on (issue 55): sampled reward, entropy and validation,
+the rollbacks of the guarded run marked.
+
+    python bench/guard_figure.py OFF_RUN_DIR ON_RUN_DIR docs/guard.png [--last-step 20] [--title TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+TAGS = (
+    ("rollout/sampled_reward_mean", "sampled reward"),
+    ("train/entropy", "entropy"),
+    ("val/subem_mean", "val subEM"),
+)
+
+
+def scalars(run: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for events in run.rglob("events.out.tfevents*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
+    return out
+
+
+def rollbacks(run: Path) -> list[int]:
+    path = run / "guard.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [event["step"] for event in map(json.loads, lines) if event["action"] in ("rollback", "backoff", "stop")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("off", type=Path)
+    parser.add_argument("on", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--last-step", type=int, default=20)
+    parser.add_argument("--title", default="")
+    args = parser.parse_args()
+    runs = {"guard off": (scalars(args.off), "tab:red"), "guard on": (scalars(args.on), "tab:blue")}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for ax, (tag, title) in zip(axes, TAGS, strict=True):
+        for label, (values, color) in runs.items():
+            series = values.get(tag, {})
+            xs = sorted(x for x in series if x <= args.last_step)
+            ax.plot(xs, [series[x] for x in xs], label=label, color=color, marker="o" if "val" in tag else None, ms=4)
+        for i, step in enumerate(rollbacks(args.on)):
+            ax.axvline(step, color="tab:blue", ls="--", lw=0.8, label="rollback (guard on)" if i == 0 else None)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(args.title)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
