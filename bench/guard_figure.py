@@ -23,18 +23,19 @@ TAGS = (
 
 
 def scalars(run: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """tag -> {step: value} of the figure's tags (dspo.analysis.load_scalars reads the event files)."""
+    from dspo.analysis import load_scalars
 
-    out: dict[str, dict[int, float]] = {}
-    for events in run.rglob("events.out.tfevents*"):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        for tag in accumulator.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
-    return out
+    frame = load_scalars(run)
+    frame = frame[frame.tag.isin([tag for tag, _ in TAGS])]
+    found = {tag: dict(zip(rows.step, rows.value, strict=True)) for tag, rows in frame.groupby("tag")}
+    if not found:
+        raise SystemExit(f"bench/guard_figure.py: {run} has none of {[tag for tag, _ in TAGS]}: nothing to draw")
+    return found
 
 
 def rollbacks(run: Path) -> list[int]:
+    """Steps where the guard changed the run (a rollback, a backoff without a healthy checkpoint, a stop)."""
     path = run / "guard.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return [event["step"] for event in map(json.loads, lines) if event["action"] in ("rollback", "backoff", "stop")]

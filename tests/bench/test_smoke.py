@@ -81,3 +81,24 @@ def test_environments_timeline_async_learning_smoke(toy_cache: Path, tmp_path: P
     (run,) = (tmp_path / "envs" / "search").glob("*seed0")
     run_bench("timeline", [str(run), "--skip", "0", "--figure", "timeline.png"], tmp_path, env)
     run_bench("async_learning", [str(run.parent), "--json", "al.json"], tmp_path, env)
+
+
+@pytest.mark.slow
+def test_guard_figure_draws_two_runs_and_refuses_an_empty_one(tmp_path: Path) -> None:
+    """bench/guard_figure.py on two runs written here (its tags, a rollback in guard.jsonl); a run without its tags
+    exits non-zero instead of drawing empty axes."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name, reward in (("off", [0.3, 0.1, 0.0]), ("on", [0.3, 0.1, 0.3])):
+        with SummaryWriter(str(tmp_path / name / "tb")) as writer:
+            for step, value in enumerate(reward):
+                writer.add_scalar("rollout/sampled_reward_mean", value, step)
+                writer.add_scalar("train/entropy", 1.0 - value, step)
+            writer.add_scalar("val/subem_mean", 0.4, 0)
+    (tmp_path / "on" / "guard.jsonl").write_text('{"step": 1, "action": "rollback"}\n')
+    run_bench("guard_figure", [str(tmp_path / "off"), str(tmp_path / "on"), str(tmp_path / "g.png")], tmp_path)
+    assert (tmp_path / "g.png").stat().st_size > 0
+    (tmp_path / "empty").mkdir()
+    command = [sys.executable, str(REPO / "bench" / "guard_figure.py"), str(tmp_path / "empty"), str(tmp_path / "on")]
+    done = subprocess.run([*command, str(tmp_path / "e.png")], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "nothing to draw" in done.stderr
