@@ -149,6 +149,8 @@ _LATER_FIELDS = {"sources": None, "right_tool_share": 1.0, "init_model": None, "
 
 def config_key(config: WarmStartConfig) -> str:
     fields = {k: v for k, v in asdict(config).items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
+    # how fast, not what: 1 and 2 threads build bitwise-equal weights (measured); None keeps the shipped keys
+    fields["torch_threads"] = None
     if config.init_model:  # the starting weights, not where they lie
         fields["init_model"] = _file_digest(Path(config.init_model) / "model.safetensors")
     return _digest(fields)
