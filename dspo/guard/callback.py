@@ -52,6 +52,7 @@ class GuardEvent:
     lr_scale: float
     restored_from: str | None = None
     time: float = 0.0
+    at_end: bool = False  # fired on the run's last validation: the run ends on the restored weights
 
 
 class Guard(pl.Callback):
@@ -98,6 +99,8 @@ class Guard(pl.Callback):
         value = trainer.callback_metrics.get("val/subem_mean")
         if self.enabled and not trainer.sanity_checking and value is not None:
             self._validation = float(value)
+            if 0 < trainer.max_steps <= trainer.global_step:  # the last validation: no round follows to act on it
+                self._end_check(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if not self.enabled:
@@ -169,6 +172,29 @@ class Guard(pl.Callback):
         values.update({"guard/rollbacks": float(self.rollbacks), "guard/lr_scale": self.lr_scale})
         pl_module.log_dict(values, on_step=True, batch_size=1)
 
+    def _end_check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The run's last validation, read by every detector (only `val_drop` and `non_finite` read it): one that
+        would roll back restores the healthy checkpoint, whatever `max_rollbacks` says (no round follows to loop), so
+        the exported model, the test stage and `last.ckpt` (written again) hold healthy weights, not the collapse."""
+        signals = RoundSignals(round_index=-1, step=trainer.global_step, validation=self._validation)
+        self._validation = None
+        verdicts = {name: detector.observe(signals) for name, detector in self.detectors.items()}
+        fired, _ = self._agreed(trainer, verdicts)
+        severe = {n: v for n, v in fired.items() if self.detectors[n].settings.action != "warn"}
+        if not severe or self.healthy is None:
+            return
+        self.rollbacks += 1
+        restore(trainer, pl_module, self.healthy, self.lr_scale)
+        actions = {n: self.detectors[n].settings.action for n in severe}
+        detail = {n: {"score": v.score, "reason": v.reason, "action": actions[n]} for n, v in severe.items()}
+        event = GuardEvent(
+            trainer.global_step, -1, detail, "rollback", self.rollbacks, self.lr_scale, self.healthy, time.time(), True
+        )
+        self._record(trainer, event)
+        checkpoint = self._checkpoint(trainer)
+        if checkpoint is not None and checkpoint.last_model_path:  # a resume continues from the healthy weights
+            trainer.save_checkpoint(checkpoint.last_model_path)
+
     # ------------------------------------------------------------------------------------------ actions
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: RoundSignals, fired) -> str:
         """Take the most severe action of the detectors that fired; returns what was done."""
@@ -219,9 +245,10 @@ class Guard(pl.Callback):
             return
         what = "; ".join(f"{n} ({d['reason']}; score {d['score']:.3g})" for n, d in event.detectors.items())
         done = f"rolled back to {event.restored_from}" if event.restored_from else event.action
+        done += " (the last validation: the run ends on these weights)" if event.at_end else ""
         log.warning(
-            "guard: round %d (step %d): %s -> %s (rollbacks %d/%d, lr x%.3g)",
-            event.round_index,
+            "guard: %s (step %d): %s -> %s (rollbacks %d/%d, lr x%.3g)",
+            "end of run" if event.at_end else f"round {event.round_index}",
             event.step,
             what,
             done,

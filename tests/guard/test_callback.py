@@ -124,3 +124,43 @@ def test_a_suspect_round_keeps_the_checkpoint_that_sampled_it_from_becoming_heal
         if round_index == 1:  # 0.1 < 0.8 x 0.5: suspect (the EMA, 0.59, is 26 % below: no firing yet)
             assert guard.healthy == paths[1] and not guard.events
     assert guard.healthy == paths[3] and removed == [paths[1]]  # EMA 0.65, round 0.8: healthy again
+
+
+def test_a_drop_at_the_last_validation_ends_the_run_on_the_healthy_checkpoint(tmp_path, monkeypatch):
+    """No round follows the last validation, so val_drop acts there: the healthy weights are restored (even past
+    max_rollbacks) and last.ckpt is written again; a validation before the end only records the value."""
+    import dspo.guard.callback as callback
+
+    restored, saved = [], []
+    monkeypatch.setattr(callback, "restore", lambda trainer, module, path, scale: restored.append((path, scale)))
+    trainer_ = trainer(tmp_path, val__subem_mean=0.4)
+    trainer_.max_steps, trainer_.global_step = 20, 10
+    trainer_.callbacks = [callback.RoundCheckpoint(str(tmp_path))]
+    trainer_.callbacks[0].last_model_path = str(tmp_path / "last.ckpt")
+    trainer_.save_checkpoint = saved.append
+    guard, module = Guard(detectors={"val_drop": {}}, max_rollbacks=0), Module()
+    guard.healthy = str(tmp_path / "step00016.ckpt")
+    guard.on_validation_end(trainer_, module)  # step 10 of 20: the next round reads it
+    end_round(guard, trainer_, module, 4)
+    assert not guard.events and not restored
+    trainer_.global_step = 20
+    trainer_.callback_metrics["val/subem_mean"] = torch.tensor(0.25)  # 0.15 below the best: over the 0.1 margin
+    guard.on_validation_end(trainer_, module)
+    assert restored == [(guard.healthy, 1.0)] and saved == [str(tmp_path / "last.ckpt")]
+    event = json.loads((tmp_path / "guard.jsonl").read_text())
+    assert event["at_end"] and event["action"] == "rollback" and event["restored_from"] == guard.healthy
+    assert "val_drop" in event["detectors"] and guard.rollbacks == 1
+
+
+def test_a_last_validation_within_the_margin_or_without_a_healthy_checkpoint_changes_nothing(tmp_path, monkeypatch):
+    import dspo.guard.callback as callback
+
+    monkeypatch.setattr(callback, "restore", lambda *args: pytest.fail("restored"))
+    trainer_ = trainer(tmp_path, val__subem_mean=0.4)
+    trainer_.max_steps, trainer_.global_step = 20, 20
+    guard = Guard(detectors={"val_drop": {}})
+    guard.on_validation_end(trainer_, Module())  # no healthy checkpoint yet: nothing to end on
+    trainer_.callback_metrics["val/subem_mean"] = torch.tensor(0.35)
+    guard.healthy = str(tmp_path / "step00016.ckpt")
+    guard.on_validation_end(trainer_, Module())  # 0.05 below: within the margin
+    assert not guard.events and not (tmp_path / "guard.jsonl").exists()
