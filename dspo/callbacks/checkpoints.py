@@ -57,7 +57,9 @@ class RoundCheckpoint(ModelCheckpoint):
             )
         self.every_n_rounds, self.steps_per_round = every_n_rounds, steps_per_round
         self.newest: tuple[int, str] | None = None  # (global step, file) of the newest round checkpoint
-        self.kept: str | None = None  # the healthy checkpoint (`keep_healthy`): never removed by keep_last
+        self.kept: dict[
+            str, str
+        ] = {}  # role -> file the guard keeps (`keep`: healthy, best): never removed by keep_last
         super().__init__(
             dirpath=dirpath,
             filename=filename,
@@ -89,27 +91,29 @@ class RoundCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
-        # keep_last=0 keeps only last.ckpt, which the next round overwrites: `keep_healthy` copies it then
+        # keep_last=0 keeps only last.ckpt, which the next round overwrites: `keep` copies it then
         self.newest = (trainer.global_step, self.best_model_path or self.last_model_path)
 
-    def keep_healthy(self, trainer: pl.Trainer, path: str) -> str:
-        """Keep `path` (the guard's newest healthy checkpoint) whatever `keep_last` says, and drop the one kept
-        before; `last.ckpt` (rewritten every round; keep_last=0) is kept as a copy, `healthy.ckpt`, made once per new
-        healthy checkpoint. Returns the kept file."""
+    def keep(self, trainer: pl.Trainer, path: str, role: str = "healthy") -> str:
+        """Keep `path` as the guard's `role` checkpoint (`healthy`: the newest with no detector firing since; `best`:
+        the one with the best validation) whatever `keep_last` says, and drop the file that role kept before unless
+        another role or `keep_last` still holds it. `last.ckpt` (rewritten every round; keep_last=0) is kept as a copy,
+        `<role>.ckpt`. Returns the kept file."""
         if Path(path).name == "last.ckpt":
-            copy = Path(path).with_name("healthy.ckpt")
+            copy = Path(path).with_name(f"{role}.ckpt")
             if trainer.is_global_zero:
                 _copy(Path(path), copy)
-            trainer.strategy.barrier("dspo_guard_keep")
+            trainer.strategy.barrier(f"dspo_guard_keep_{role}")
             path = str(copy)
-        previous, self.kept = self.kept, path
-        stale = previous and previous != path and previous not in self.best_k_models
-        if stale and Path(previous).name != "healthy.ckpt":
+        previous = self.kept.get(role)
+        self.kept[role] = path
+        stale = previous and previous not in self.kept.values() and previous not in self.best_k_models
+        if stale and Path(previous).name != f"{role}.ckpt":
             self._remove_checkpoint(trainer, previous)  # the strategy removes it on rank 0 only
         return path
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        if filepath == self.kept:  # the rollback target outlives keep_last
+        if filepath in self.kept.values():  # a rollback target outlives keep_last
             return
         super()._remove_checkpoint(trainer, filepath)
 

@@ -84,6 +84,8 @@ class Guard(pl.Callback):
         self.rollbacks, self.lr_scale = 0, 1.0
         self.healthy: str | None = None  # the newest healthy checkpoint (the rollback target)
         self._healthy_at = -1  # the step of `healthy`
+        self.best: str | None = None  # the checkpoint of the best validation (val_drop's target), when one was saved
+        self.best_validation = float("-inf")
         self.last_fire_step = -1  # a checkpoint saved before this step is not healthy
         self.events: list[GuardEvent] = []
         self._round: dict[str, list[float]] = {}
@@ -92,13 +94,16 @@ class Guard(pl.Callback):
     # ------------------------------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpoint = self._checkpoint(trainer)
-        if self.enabled and self.healthy and checkpoint is not None:  # resumed: protect the target again
-            checkpoint.kept = self.healthy
+        if self.enabled and checkpoint is not None:  # resumed: protect the targets again
+            checkpoint.kept = {role: path for role, path in (("healthy", self.healthy), ("best", self.best)) if path}
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = trainer.callback_metrics.get("val/subem_mean")
         if self.enabled and not trainer.sanity_checking and value is not None:
+            if trainer.world_size > 1:  # every rank keeps the same files and takes the same decisions (barriers)
+                value = trainer.strategy.broadcast(float(value), src=0)
             self._validation = float(value)
+            self._keep_best(trainer, float(value))
             if 0 < trainer.max_steps <= trainer.global_step:  # the last validation: no round follows to act on it
                 self._end_check(trainer, pl_module)
 
@@ -174,21 +179,22 @@ class Guard(pl.Callback):
 
     def _end_check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The run's last validation, read by every detector (only `val_drop` and `non_finite` read it): one that
-        would roll back restores the healthy checkpoint, whatever `max_rollbacks` says (no round follows to loop), so
-        the exported model, the test stage and `last.ckpt` (written again) hold healthy weights, not the collapse."""
+        would roll back restores its target (`_target`), whatever `max_rollbacks` says (no round follows to loop), so
+        the exported model, the test stage and `last.ckpt` (written again) hold those weights, not the collapse."""
         signals = RoundSignals(round_index=-1, step=trainer.global_step, validation=self._validation)
         self._validation = None
         verdicts = {name: detector.observe(signals) for name, detector in self.detectors.items()}
         fired, _ = self._agreed(trainer, verdicts)
         severe = {n: v for n, v in fired.items() if self.detectors[n].settings.action != "warn"}
-        if not severe or self.healthy is None:
+        target = self._target(severe)
+        if target is None:
             return
         self.rollbacks += 1
-        restore(trainer, pl_module, self.healthy, self.lr_scale)
+        restore(trainer, pl_module, target, self.lr_scale)
         actions = {n: self.detectors[n].settings.action for n in severe}
         detail = {n: {"score": v.score, "reason": v.reason, "action": actions[n]} for n, v in severe.items()}
         event = GuardEvent(
-            trainer.global_step, -1, detail, "rollback", self.rollbacks, self.lr_scale, self.healthy, time.time(), True
+            trainer.global_step, -1, detail, "rollback", self.rollbacks, self.lr_scale, target, time.time(), True
         )
         self._record(trainer, event)
         checkpoint = self._checkpoint(trainer)
@@ -205,15 +211,15 @@ class Guard(pl.Callback):
         restored = None
         if action == "rollback" and self.rollbacks >= self.max_rollbacks:
             action = "stop"
-        elif action == "rollback" and self.healthy is None:
+        elif action == "rollback" and self._target(fired) is None:
             action = "backoff"  # nothing healthy saved yet: a smaller step is all there is to do
             self.lr_scale *= self.backoff
             set_lr_scale(pl_module, self.lr_scale)
         elif action == "rollback":
             self.rollbacks += 1
             self.lr_scale *= self.backoff
-            restore(trainer, pl_module, self.healthy, self.lr_scale)
-            restored = self.healthy
+            restored = self._target(fired)
+            restore(trainer, pl_module, restored, self.lr_scale)
             for detector in self.detectors.values():  # their trends restart from the restored policy's rounds
                 detector.after_rollback()
         detail = {n: {"score": v.score, "reason": v.reason, "action": actions[n]} for n, v in fired.items()}
@@ -237,6 +243,14 @@ class Guard(pl.Callback):
                 "guard.enabled=false"
             )
         return action
+
+    def _target(self, fired: dict[str, Verdict]) -> str | None:
+        """Where a rollback goes: for a validation drop, the checkpoint of the best validation (the newest healthy
+        one can already be rounds into a slow decline that validation, not the round signals, saw); else, and when
+        no validated checkpoint was kept, the newest healthy checkpoint. None: nothing to go back to."""
+        if not fired:
+            return None
+        return self.best if "val_drop" in fired and self.best else self.healthy
 
     def _record(self, trainer: pl.Trainer, event: GuardEvent) -> None:
         """The console line and the `guard.jsonl` entry (rank 0)."""
@@ -268,8 +282,18 @@ class Guard(pl.Callback):
             return
         step, path = checkpoint.newest
         if step >= self.last_fire_step and path and step > self._healthy_at:
-            self.healthy = checkpoint.keep_healthy(trainer, path)
+            self.healthy = checkpoint.keep(trainer, path)
             self._healthy_at = step
+
+    def _keep_best(self, trainer: pl.Trainer, value: float) -> None:
+        """A new best validation whose weights are on disk (the round checkpoint saved at this step: validation runs
+        after it) becomes the `best` target; step 0's weights and steps without a checkpoint have none."""
+        checkpoint = self._checkpoint(trainer)
+        if value <= self.best_validation:
+            return
+        self.best_validation = value
+        if checkpoint is not None and checkpoint.newest is not None and checkpoint.newest[0] == trainer.global_step:
+            self.best = checkpoint.keep(trainer, checkpoint.newest[1], role="best")
 
     @staticmethod
     def _checkpoint(trainer: pl.Trainer) -> RoundCheckpoint | None:
@@ -284,6 +308,8 @@ class Guard(pl.Callback):
             "lr_scale": self.lr_scale,
             "healthy": self.healthy,
             "healthy_step": self._healthy_at,
+            "best": self.best,
+            "best_validation": self.best_validation,
             "last_fire_step": self.last_fire_step,
             "detectors": {name: d.state_dict() for name, d in self.detectors.items()},
         }
@@ -294,6 +320,8 @@ class Guard(pl.Callback):
         self.rollbacks, self.lr_scale = int(state_dict["rollbacks"]), float(state_dict["lr_scale"])
         self.healthy, self._healthy_at = state_dict["healthy"], int(state_dict["healthy_step"])
         self.last_fire_step = int(state_dict["last_fire_step"])
+        self.best = state_dict.get("best")  # absent in checkpoints written before the guard kept it
+        self.best_validation = float(state_dict.get("best_validation", float("-inf")))
         for name, state in state_dict.get("detectors", {}).items():
             if name in self.detectors:
                 self.detectors[name].load_state_dict(state)

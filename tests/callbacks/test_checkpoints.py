@@ -223,12 +223,12 @@ def test_the_healthy_checkpoint_outlives_keep_last_and_is_dropped_when_a_newer_o
     callback, removed = RoundCheckpoint(str(tmp_path), keep_last=1), []
     trainer = _guard_trainer(removed)
     step1, step2, step3 = (str(tmp_path / f"step{i:05d}.ckpt") for i in (1, 2, 3))
-    assert callback.keep_healthy(trainer, step1) == step1
+    assert callback.keep(trainer, step1) == step1
     callback._remove_checkpoint(trainer, step1)  # what keep_last=1 does when step 2 is saved
     assert removed == []
     callback.best_k_models = {step3: 3}
     callback._remove_checkpoint(trainer, step2)
-    assert callback.keep_healthy(trainer, step3) == step3 and removed == [step2, step1]  # the old healthy one goes
+    assert callback.keep(trainer, step3) == step3 and removed == [step2, step1]  # the old healthy one goes
 
 
 def test_with_keep_last_0_the_healthy_last_ckpt_is_kept_as_a_copy(tmp_path):
@@ -237,6 +237,22 @@ def test_with_keep_last_0_the_healthy_last_ckpt_is_kept_as_a_copy(tmp_path):
     callback = RoundCheckpoint(str(tmp_path), keep_last=0)
     last = tmp_path / "last.ckpt"
     last.write_bytes(b"round 1")
-    kept = callback.keep_healthy(_guard_trainer([]), str(last))
+    kept = callback.keep(_guard_trainer([]), str(last))
     last.write_bytes(b"round 2")  # the next round's save
     assert kept == str(tmp_path / "healthy.ckpt") and (tmp_path / "healthy.ckpt").read_bytes() == b"round 1"
+
+
+def test_a_file_kept_as_best_is_not_dropped_when_the_healthy_role_moves_on(tmp_path):
+    from dspo.callbacks.checkpoints import RoundCheckpoint
+
+    callback, removed = RoundCheckpoint(str(tmp_path), keep_last=1), []
+    trainer = _guard_trainer(removed)
+    step1, step2, step3 = (str(tmp_path / f"step{i:05d}.ckpt") for i in (1, 2, 3))
+    callback.keep(trainer, step1)
+    callback.keep(trainer, step1, role="best")
+    callback.keep(trainer, step2)  # healthy moves on: step 1 is still the best
+    assert removed == [] and callback.kept == {"healthy": step2, "best": step1}
+    callback.keep(trainer, step3, role="best")
+    assert removed == [step1]  # held by no role now
+    callback._remove_checkpoint(trainer, step2)
+    assert removed == [step1]

@@ -164,3 +164,39 @@ def test_a_last_validation_within_the_margin_or_without_a_healthy_checkpoint_cha
     guard.healthy = str(tmp_path / "step00016.ckpt")
     guard.on_validation_end(trainer_, Module())  # 0.05 below: within the margin
     assert not guard.events and not (tmp_path / "guard.jsonl").exists()
+
+
+def test_a_new_best_validation_keeps_the_checkpoint_it_validated_and_val_drop_rolls_back_to_it(tmp_path, monkeypatch):
+    """The round checkpoint saved at a validation's step holds the validated weights: kept as `best` when the
+    validation is the best so far; a later val_drop restores it rather than the newest healthy checkpoint (which a
+    slow decline can already have reached), at the end of the run as mid-run; other detectors go to healthy."""
+    import dspo.guard.callback as callback
+
+    restored = []
+    monkeypatch.setattr(callback, "restore", lambda trainer, module, path, scale: restored.append(path))
+    checkpoint, removed = callback.RoundCheckpoint(str(tmp_path), keep_last=1), []
+    trainer_ = trainer(tmp_path, val__subem_mean=0.4)
+    trainer_.callbacks, trainer_.max_steps = [checkpoint], 100
+    trainer_.strategy = SimpleNamespace(barrier=lambda name=None: None, remove_checkpoint=removed.append)
+    guard, module = Guard(detectors={"val_drop": {}, "non_finite": {}}), Module()
+    module.trainer, module.optim_cfg = trainer_, SimpleNamespace(lr=1e-3)
+    monkeypatch.setattr(callback, "set_lr_scale", lambda *args: None)
+    for step, value in ((0, 0.4), (4, 0.6), (8, 0.55), (12, 0.45)):
+        trainer_.global_step = step
+        checkpoint.newest = (step, str(tmp_path / f"step{step:05d}.ckpt")) if step else None
+        trainer_.callback_metrics["val/subem_mean"] = torch.tensor(value)
+        guard.on_validation_end(trainer_, module)
+        if step < 12:
+            end_round(guard, trainer_, module, step)  # the round after a validation reads it (and promotes)
+    assert guard.best == str(tmp_path / "step00004.ckpt") and guard.best_validation == pytest.approx(0.6)
+    assert checkpoint.kept["best"] == guard.best and not restored
+    guard.healthy = str(tmp_path / "step00012.ckpt")  # a slow decline: the newest healthy one is already low
+    end_round(guard, trainer_, module, 13)  # reads the step-12 validation: 0.15 below the best
+    assert restored == [guard.best] and guard.events[-1].restored_from == guard.best
+    trainer_.callback_metrics["rollout/sampled_reward_mean"] = torch.tensor(float("nan"))
+    end_round(guard, trainer_, module, 7)  # non_finite: the newest healthy checkpoint
+    assert restored[-1] == guard.healthy
+    state = guard.state_dict()
+    again = Guard(detectors={"val_drop": {}, "non_finite": {}})
+    again.load_state_dict(state)
+    assert (again.best, again.best_validation) == (guard.best, guard.best_validation)
