@@ -4,8 +4,9 @@ At each round's end the detectors (`dspo.guard.detectors`) read the round's logg
 logged as `guard/<name>`, with `guard/rollbacks` and `guard/lr_scale`. When one fires, its action is taken:
 
 - warn: a console line and a `guard.jsonl` entry;
-- rollback: model, optimizer and scheduler restored from the newest checkpoint the guard marked healthy, the learning
-  rate scaled by `backoff` (`dspo.guard.rollback`); the sampler and RNG move on, so no prompt is replayed;
+- rollback: model, optimizer and scheduler restored from the newest checkpoint the guard marked healthy (for a
+  validation drop: the checkpoint of the best validation, when one was kept), the learning rate scaled by `backoff`
+  (`dspo.guard.rollback`); the sampler and RNG move on, so no prompt is replayed;
 - stop: the run ends with `GuardStop` (non-zero exit), as does a rollback beyond `max_rollbacks`.
 
 Healthy: a round's data is sampled by the weights of the previous checkpoint, so a checkpoint becomes healthy when a
@@ -13,7 +14,8 @@ later round ends with no detector firing (or suspecting the round, `Verdict.susp
 after it included). The guard evaluates
 before the round's checkpoint is written (Lightning runs checkpoint callbacks last), so that checkpoint holds the
 restored weights after a rollback. With several ranks, rank 0's verdict is broadcast and every rank acts on it.
-The guard only reads unless it fires: a run where nothing fires trains exactly as without it.
+The run's last validation is read at once (no round follows it): a rollback asked for there ends the run on the
+restored weights. The guard only reads unless it fires: a run where nothing fires trains exactly as without it.
 """
 
 from __future__ import annotations
