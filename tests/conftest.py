@@ -191,7 +191,7 @@ def lm_dir(tmp_path_factory) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Work that starts when the session starts: `@pytest.mark.background(start)` runs `start(workdir, beside_others)`
+# Work that starts when the session starts: `@pytest.mark.background(start=f)` runs `f(workdir, beside_others)`
 # (-> subprocess.Popen) once collection is done and orders the test last; the test reads the handle from the
 # `background` fixture. The warm-start rebuild (10 min of SFT, CPU-bound on 1 thread) then runs at nice 19 on the core
 # the rest of the suite leaves idle (the suite averages ~1.2 of 2 cores) instead of after it.
@@ -205,11 +205,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     import tempfile
 
+    if session.config.option.collectonly:
+        return
     for item in session.items:
         marker = item.get_closest_marker("background")
         if marker is not None:
             workdir = Path(tempfile.mkdtemp(prefix="dspo_background_"))
-            item.stash[BACKGROUND] = (marker.args[0](workdir, len(session.items) > 1), workdir)
+            item.stash[BACKGROUND] = (marker.kwargs["start"](workdir, len(session.items) > 1), workdir)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -226,7 +228,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture()
 def background(request: pytest.FixtureRequest) -> tuple[subprocess.Popen, Path]:
-    """(the process `@pytest.mark.background(start)` started for this test, its working folder)."""
+    """(the process `@pytest.mark.background(start=...)` started for this test, its working folder)."""
     if BACKGROUND not in request.node.stash:
-        pytest.fail(f"{request.node.nodeid} uses the `background` fixture without @pytest.mark.background(start)")
+        pytest.fail(f"{request.node.nodeid} uses the `background` fixture without @pytest.mark.background(start=...)")
     return request.node.stash[BACKGROUND]

@@ -104,7 +104,7 @@ def start_rebuild(workdir: Path, beside_others: bool) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.background(start_rebuild)
+@pytest.mark.background(start=start_rebuild)
 def test_rebuild_scores_like_the_shipped_model(background) -> None:
     """`python -m dspo.toy.rebuild` from nothing: same world and tokenizer, and a model within sampling noise of the
     shipped one (±0.1 on each measured rate). Holds where the float arithmetic matches the shipped build's: the SFT
