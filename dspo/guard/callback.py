@@ -288,13 +288,21 @@ class Guard(pl.Callback):
             self._healthy_at = step
 
     def _keep_best(self, trainer: pl.Trainer, value: float) -> None:
-        """A new best validation whose weights are on disk (the round checkpoint saved at this step: validation runs
-        after it) becomes the `best` target; step 0's weights and steps without a checkpoint have none."""
+        """A new best validation whose weights are on disk becomes the `best` target: the round checkpoint saved at
+        this step (validation runs after it), or, for step 0's validation (the start's weights, which no round
+        checkpoint holds), `start.ckpt` written here: a run that only declines still has its start to go back to.
+        A step without a checkpoint of its own keeps the previous target."""
         checkpoint = self._checkpoint(trainer)
         if value <= self.best_validation:
             return
         self.best_validation = value
-        if checkpoint is not None and checkpoint.newest is not None and checkpoint.newest[0] == trainer.global_step:
+        if checkpoint is None:
+            return
+        if trainer.global_step == 0 and checkpoint.dirpath:
+            start = str(Path(checkpoint.dirpath) / "start.ckpt")
+            trainer.save_checkpoint(start)
+            self.best = checkpoint.keep(trainer, start, role="best")
+        elif checkpoint.newest is not None and checkpoint.newest[0] == trainer.global_step:
             self.best = checkpoint.keep(trainer, checkpoint.newest[1], role="best")
 
     @staticmethod

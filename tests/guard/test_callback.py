@@ -181,15 +181,19 @@ def test_a_new_best_validation_keeps_the_checkpoint_it_validated_and_val_drop_ro
     guard, module = Guard(detectors={"val_drop": {}, "non_finite": {}}), Module()
     module.trainer, module.optim_cfg = trainer_, SimpleNamespace(lr=1e-3)
     monkeypatch.setattr(callback, "set_lr_scale", lambda *args: None)
+    saved = []
+    trainer_.save_checkpoint = saved.append
     for step, value in ((0, 0.4), (4, 0.6), (8, 0.55), (12, 0.45)):
         trainer_.global_step = step
         checkpoint.newest = (step, str(tmp_path / f"step{step:05d}.ckpt")) if step else None
         trainer_.callback_metrics["val/subem_mean"] = torch.tensor(value)
         guard.on_validation_end(trainer_, module)
+        if step == 0:  # the start's weights: no round checkpoint holds them, so the guard writes them
+            assert saved == [str(tmp_path / "start.ckpt")] and guard.best == saved[0]
         if step < 12:
             end_round(guard, trainer_, module, step)  # the round after a validation reads it (and promotes)
     assert guard.best == str(tmp_path / "step00004.ckpt") and guard.best_validation == pytest.approx(0.6)
-    assert checkpoint.kept["best"] == guard.best and not restored
+    assert checkpoint.kept["best"] == guard.best and not restored and removed == [str(tmp_path / "start.ckpt")]
     guard.healthy = str(tmp_path / "step00012.ckpt")  # a slow decline: the newest healthy one is already low
     end_round(guard, trainer_, module, 13)  # reads the step-12 validation: 0.15 below the best
     assert restored == [guard.best] and guard.events[-1].restored_from == guard.best
