@@ -178,3 +178,30 @@ def test_misconfigured_roles_fail_naming_the_key():
     agent = RoleAgent(None, None, None, [Role("a", scripted_agent)], settle=FailureRateReward())
     with pytest.raises(ValueError, match="rollout.agent.settle: no role named 'proposer'"):
         agent.rollout(toy_items(1), 2, 0)
+
+
+def test_a_role_agent_is_built_from_its_config_as_any_agent():
+    """The form docs/extending.md shows: `rollout.agent` as a config, instantiated by `build_agent`."""
+    config = {
+        "_target_": "dspo.agent.roles.RoleAgent",
+        "_partial_": True,
+        "roles": [
+            {
+                "_target_": "dspo.agent.roles.Role",
+                "name": "proposer",
+                "agent": {"_target_": "dspo.testing.scripted_agent", "_partial_": True},
+            },
+            {
+                "_target_": "dspo.agent.roles.Role",
+                "name": "solver",
+                "agent": {"_target_": "dspo.testing.scripted_agent", "_partial_": True},
+                "derive": {"_target_": "dspo.testing.scripted_proposals", "_partial_": True},
+            },
+        ],
+        "settle": {"_target_": "dspo.agent.roles.FailureRateReward", "proposer": "proposer", "solver": "solver"},
+        "answer_role": "solver",
+    }
+    agent = build_agent(config, engine=None, tokenizer=None, env=None)
+    assert isinstance(agent, RoleAgent) and list(agent.agents) == ["proposer", "solver"]
+    result = agent.rollout(toy_items(2), 4, 0, seed=1)
+    assert {g.role for g in result.groups} == {"proposer", "solver"} and "proposer/valid_share" in result.stats
