@@ -453,3 +453,26 @@ def within(seconds: float, call):
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
+
+
+def scripted_proposals(parts) -> list[QAItem]:
+    """A `Role.derive` for tests: one solver item per proposer episode rewarded 1 (a "valid proposal"), its question
+    naming its origin (`dspo.agent.roles.derived_item`)."""
+    from dspo.agent.roles import derived_item
+
+    (proposer,) = [part for part in parts if part.role == "proposer"]
+    return [
+        derived_item(proposer, g, e, f"{group.item.question} -> proposal {e}", ["a"])
+        for g, group in enumerate(proposer.groups)
+        for e, trajectory in enumerate(group.trajectories)
+        if trajectory.reward == 1.0
+    ]
+
+
+def two_role_agent(engine=None, tokenizer=None, env=None):
+    """An agent constructor for tests (`rollout.agent`): a `RoleAgent` whose proposer and solver are scripted agents,
+    the solver's items built from the proposer's valid episodes, the proposer paid the solver's failure rate."""
+    from dspo.agent.roles import FailureRateReward, Role, RoleAgent
+
+    roles = [Role("proposer", scripted_agent), Role("solver", scripted_agent, derive=scripted_proposals)]
+    return RoleAgent(engine, tokenizer, env, roles, settle=FailureRateReward())

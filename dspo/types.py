@@ -169,6 +169,12 @@ class Trajectory:
         ]
 
 
+# The role of a group in a round whose agent plays one role: what every un-roled run's groups are. An agent that plays
+# several roles in one call (`dspo.agent.roles`: a proposer and a solver, a planner) tags each group with its own, and
+# the round logs `rollout/<role>/<stat>` beside the un-roled figures; the trainer treats every group alike.
+DEFAULT_ROLE = "solver"
+
+
 @dataclass
 class RolloutGroup:
     """The G trajectories sampled for one prompt (Algorithm 1's group)."""
@@ -176,6 +182,7 @@ class RolloutGroup:
     item: QAItem
     trajectories: list[Trajectory]  # [G]
     prompt_index: int = -1  # position of the prompt in the sampler's order (for resume/debugging)
+    role: str = DEFAULT_ROLE  # who played it (`dspo.agent.roles`); statistics only: filter and loss treat all alike
 
     @property
     def rewards(self) -> torch.Tensor:

@@ -61,7 +61,17 @@ SWITCHES: tuple[Switch, ...] = (
         {"end": (), "compact": COMPACT},
         {"compact": (("agent", "endpoint"), ("credit", "turn"))},
     ),
-    Switch("agent", "env.agent", {"built-in": (), "endpoint": ("env=agent",)}, {"endpoint": (("credit", "turn"),)}),
+    # `+env.agent`, not `env=agent`: it adds the endpoint agent to whichever environment the row selects
+    Switch(
+        "agent",
+        "env.agent",
+        {"built-in": (), "endpoint": ("+env.agent=openai_agent.agent",)},
+        {"endpoint": (("credit", "turn"),)},
+    ),
+    # the environment: env=goal_reflect (its reward pays reflections; its search tool is the simulated one, noise 0.3)
+    Switch(
+        "env", "env.reward._target_", {"search": (), "goal_reflect": ("env=goal_reflect", "env.tools.search.noise=0.3")}
+    ),
     Switch("lora", "model.lora.r", {"off": (), "r4": ("model.lora.r=4",)}),
     Switch(
         "credit",
@@ -168,7 +178,7 @@ def test_the_covering_design_covers_every_allowed_pair_and_no_refused_one():
     allowed = {frozenset({a, b}) for a, b in itertools.combinations(settings, 2) if a[0] != b[0]} - refused
     covered = {frozenset(p) for row in ROWS for p in itertools.combinations(row.items(), 2)}
     assert allowed <= covered and not covered & refused
-    assert len(ROWS) <= 12  # 11 switches, 2 values each: a pairwise design is ~8-12 runs, not 2^11
+    assert len(ROWS) <= 12  # 13 switches, 2 values each: a pairwise design is ~8-12 runs, not 2^13
 
 
 @pytest.mark.parametrize("pair", sorted(refused_pairs(), key=sorted), ids=lambda p: "+".join(map("=".join, sorted(p))))

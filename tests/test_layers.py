@@ -18,6 +18,7 @@ ROLLOUT_LAYERS = [
     "dspo.agent.parsing",
     "dspo.agent.prompts",
     "dspo.agent.protocol",
+    "dspo.agent.roles",
     "dspo.agent.tool_calling",
     "dspo.env",
     "dspo.env.simulated",
@@ -30,6 +31,7 @@ ROLLOUT_LAYERS = [
     "dspo.engines.scripted",
     "dspo.engines.vllm",
     "dspo.rollout.sampler",
+    "dspo.rollout.roles",
     "dspo.rollout.faults",
     "dspo.rollout.link",
     "dspo.rollout.messages",
@@ -61,5 +63,5 @@ def test_each_layer_imports_only_the_layers_below_it():
     """engines <- environment <- agent <- rollout orchestration: no module imports a layer above its own."""
     engines = imported_after(["dspo.engines"])
     assert not [m for m in engines if m.startswith(("dspo.agent", "dspo.env", "dspo.rollout"))]
-    agent = imported_after(["dspo.agent", "dspo.agent.tool_calling", "dspo.env.simulated"])
+    agent = imported_after(["dspo.agent", "dspo.agent.tool_calling", "dspo.agent.roles", "dspo.env.simulated"])
     assert not [m for m in agent if m.startswith("dspo.rollout")]

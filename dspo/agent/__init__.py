@@ -3,7 +3,15 @@ tool-calling loop (`tool_calling`) with its call parsing (`parsing`) and prompts
 and the environment (`dspo.env`), never on the rollout orchestration (`dspo.rollout`) or the trainer."""
 
 from dspo.agent.config import AgentConfig
-from dspo.agent.protocol import Agent, AgentFactory, AgentRollout, agent_setting, build_agent, check_agent_settings
+from dspo.agent.protocol import (
+    Agent,
+    AgentFactory,
+    AgentRollout,
+    agent_setting,
+    answering,
+    build_agent,
+    check_agent_settings,
+)
 
 __all__ = [
     "Agent",
@@ -11,6 +19,7 @@ __all__ = [
     "AgentFactory",
     "AgentRollout",
     "agent_setting",
+    "answering",
     "build_agent",
     "check_agent_settings",
 ]

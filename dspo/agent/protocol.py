@@ -24,7 +24,9 @@ from dspo.types import QAItem, RolloutGroup
 class AgentRollout:
     """One `Agent.rollout` call's result."""
 
-    groups: list[RolloutGroup]  # [len(items)] in `items` order, `group_size` trajectories each
+    # [len(items)] in `items` order, `group_size` trajectories each; an agent of several roles (`dspo.agent.roles`)
+    # returns those first, then the groups its other roles played in the same call (`RolloutGroup.role`)
+    groups: list[RolloutGroup]
     stats: dict[str, float] = field(default_factory=dict)  # the call's statistics (tool calls, timers, reward/...)
 
 
@@ -43,6 +45,12 @@ class Agent(Protocol):
         greedy: bool = False,
         seed: int | None = None,
     ) -> AgentRollout: ...
+
+
+def answering(agent: Agent) -> Agent:
+    """The agent that answers held-out questions (validation, test, dspo-eval): an agent of several roles names it
+    (`answerer`: `dspo.agent.roles.RoleAgent`'s answering role), any other agent answers itself."""
+    return getattr(agent, "answerer", None) or agent
 
 
 AgentFactory = Callable[..., Agent]  # (engine=, tokenizer=, env=) -> Agent: `rollout.agent` once Hydra built it

@@ -101,6 +101,8 @@ class SimulatedSearchTool(SearchTool):
     topk, max_queries_per_call, max_query_chars, name, description: as the search tool's.
     noise_start, noise_end: the probability that a document is noisy at the first and at the last training step.
     schedule: `linear` | `exponential` (ZeroSearch's; `schedule_base` b) between them, over `trainer.max_steps`.
+    noise: a constant probability instead of the curriculum (noise_start = noise_end = noise; None: the curriculum):
+        the perturbation study's one key (`env.tools.search.noise=0.3`, env=simulated or env=goal_reflect).
     seed: of the noise draws (the engine simulator's sampling has its own `seed`).
     """
 
@@ -117,6 +119,7 @@ class SimulatedSearchTool(SearchTool):
         seed: int = 0,
         name: str = "search",
         description: str | None = None,
+        noise: float | None = None,
     ) -> None:
         # no retriever: `retriever` is the scripted simulator's, if any (the agent's retry statistics read it)
         retriever = getattr(simulator, "retriever", None)
@@ -124,6 +127,10 @@ class SimulatedSearchTool(SearchTool):
         if not callable(getattr(simulator, "simulate", None)):
             raise TypeError(f"env.tools.{name}.simulator: {type(simulator).__name__} has no simulate(queries) method")
         self.simulator, self.seed = simulator, seed
+        if noise is not None:
+            if not 0.0 <= noise <= 1.0:
+                raise ValueError(f"env.tools.{name}.noise={noise}: a probability, within [0, 1]")
+            noise_start = noise_end = noise
         self.curriculum = NoiseCurriculum(noise_start, noise_end, schedule, schedule_base, f"env.tools.{name}")
         self.step, self.total_steps = 0, None
 

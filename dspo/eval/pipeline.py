@@ -19,7 +19,7 @@ from typing import Any
 
 from torchmetrics import MetricCollection
 
-from dspo.agent.protocol import Agent
+from dspo.agent.protocol import Agent, answering
 from dspo.metric_collections import benchmark_metrics
 from dspo.metrics import exact_match, sub_exact_match, token_f1
 from dspo.types import QAItem, RolloutGroup
@@ -79,6 +79,7 @@ def predict(
     if batch_size < 1:
         raise ValueError(f"predict: batch_size must be >= 1, got {batch_size} (config key eval.batch_size)")
     batches = [list(items[start : start + batch_size]) for start in range(0, len(items), batch_size)]
+    agent = answering(agent)  # an agent of several roles answers with one of them (dspo.agent.roles)
     predictions: list[Prediction] = []
     bar = _progress(len(items), description) if progress else None
     for batch in batches:

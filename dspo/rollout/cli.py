@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from dspo.runtime import run_command
-from dspo.types import RolloutGroup
+from dspo.types import DEFAULT_ROLE, RolloutGroup
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -44,10 +44,13 @@ RECORD_FIELDS = (
 def trajectory_records(groups: list[RolloutGroup]) -> list[dict]:
     """One JSON-ready dict per trajectory, with the item id, its group index and the trajectory's index in the group."""
     records = []
+    roled = any(group.role != DEFAULT_ROLE for group in groups)  # an agent of several roles (dspo.agent.roles)
     for group in groups:
         for index, traj in enumerate(group.trajectories):
             data = asdict(traj)
             record = {"id": group.item.id, "prompt_index": group.prompt_index, "sample": index}
+            if roled:  # un-roled records stay as they were
+                record["role"] = group.role
             record.update({name: data[name] for name in RECORD_FIELDS})
             records.append(record)
     return records

@@ -33,6 +33,7 @@ from dspo.agent.partial import CarriedGroup, token_staleness
 from dspo.agent.stats import Kind, kind_of
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.rounds import PromptSampler
+from dspo.rollout.roles import RoleStats, interleaved
 from dspo.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,9 @@ class RoundSampler:
         resolved_tokens = 0  # of the groups that finished or were dropped in this round: what the waste is a share of
         reward_sum = searched_reward = 0.0
         unsearched = 0  # episodes that answered without a tool call (the guard's no_search detector)
+        prompts = 0  # prompts drawn by full calls (with `sampled`: the groups an agent returns per prompt)
         details = ToolAndRewardStats(getattr(self.agent, "stat_kinds", CALL_STAT_KINDS))
+        roles = RoleStats()  # rollout/<role>/<stat>, logged only when the agent played a role besides the default
         retriever = getattr(self.agent, "retriever", None)
         retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
         start = time.perf_counter()
@@ -131,14 +134,21 @@ class RoundSampler:
             if missing <= 0:
                 continue  # this rank is full; it keeps answering the collective until every rank is
             n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / self.keep_rate_estimate))
+            if prompts and sampled > prompts:  # an agent of several roles returns more than one group per prompt
+                rate = self.keep_rate_estimate * sampled / prompts
+                n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / rate))
             if self.max_token_age is None:
                 drawn = sampler.take(n_prompts)
                 result = self.agent.rollout(
                     [item for _, item in drawn], self.spec.group_size, policy_version, seed=seed + calls
                 )
-                groups, stats = result.groups, result.stats
-                for group, (index, _) in zip(groups, drawn):
+                groups, stats = interleaved(result.groups), result.stats
+                for group, (index, _) in zip(result.groups, drawn):
                     group.prompt_index = index
+                for group in result.groups[len(drawn) :]:  # another role's, numbered by the item it was built from
+                    if 0 <= group.prompt_index < len(drawn):
+                        group.prompt_index = drawn[group.prompt_index][0]
+                prompts += len(drawn)
                 tokens += sum(t.num_generated_tokens for group in groups for t in group.trajectories)
             else:
                 aged = self._drop_aged(round_index)
@@ -158,9 +168,11 @@ class RoundSampler:
             for group, keep_it in zip(groups, keep.tolist()):
                 n_tok = sum(t.num_generated_tokens for t in group.trajectories)
                 resolved_tokens += n_tok
-                if keep_it and len(kept) < self.local_target:
+                taken = keep_it and len(kept) < self.local_target
+                if taken:
                     kept.append(group)
                     kept_tokens += n_tok
+                roles.add(group, keep_it, taken)
             tool_calls += stats.get("tool_calls_mean", 0.0) * len(groups) * self.spec.group_size
             invalid += stats.get("invalid_calls", 0.0)
             details.add(stats, len(groups) * self.spec.group_size)
@@ -197,6 +209,7 @@ class RoundSampler:
             "rollout/time_s": elapsed,
             "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
             **details.result(),
+            **roles.result(),
         }
 
     # ------------------------------------------------------------------------------------------ partial rollouts

@@ -44,9 +44,11 @@ def render_demonstrations(
     hop2_imperfect_share: float | None = None,
     sources: dict | None = None,
     right_tool_share: float = 1.0,
+    goal_reflect: bool = False,
 ) -> list[Trajectory]:
     """One scripted trajectory per item, rendered by `ToolCallingAgent` with a `ScriptedEngine` (exact ids and masks).
-    `retriever`: a Retriever (the default search environment) or a `dspo.env.Environment` (e.g. two sources')."""
+    `retriever`: a Retriever (the default search environment) or a `dspo.env.Environment` (e.g. two sources').
+    `goal_reflect`: the turns state goals and reflections (`dspo.toy.goal_demos`; render in `demo_environment`'s)."""
     rng = random.Random(seed)
     tag_format = (agent_overrides or {}).get("tag_format", "qwen")
     scripts = [
@@ -64,6 +66,11 @@ def render_demonstrations(
         )  # fmt: skip
         for item in items
     ]
+    if goal_reflect:
+        from dspo.toy.goal_demos import GoalReflectScript
+
+        searches = int((agent_overrides or {}).get("max_turns", AgentConfig().max_turns)) - 1
+        scripts = [GoalReflectScript(policy, max_searches=searches) for policy in scripts]
 
     def script(prompt_text: str, turn: int, index: int) -> str:
         return scripts[index](observations_in(prompt_text))
@@ -88,11 +95,20 @@ def demo_agent(engine, tokenizer, retriever, settings: dict | None):
 
 
 def demo_environment(
-    index: BM25Index, world_meta: dict[str, dict], sources: dict | None = None, agent: dict | None = None
+    index: BM25Index,
+    world_meta: dict[str, dict],
+    sources: dict | None = None,
+    agent: dict | None = None,
+    goal_reflect: bool = False,
+    noise: float = 0.0,
 ):
     """What the demonstrations search: `index` (the default search tool), or with `sources`
     (`WarmStartConfig.sources`) the sources (dspo.toy.sources) over the same passages, with the search limits of
-    `agent` (`WarmStartConfig.agent`)."""
+    `agent` (`WarmStartConfig.agent`), or with `goal_reflect` env=goal_reflect's tool and reward at `noise`."""
+    if goal_reflect:
+        from dspo.toy.goal_demos import goal_reflect_environment
+
+        return goal_reflect_environment(index, agent, noise)
     if not sources:
         return index
     from dspo.toy.sources import source_environment

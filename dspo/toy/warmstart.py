@@ -126,9 +126,20 @@ class WarmStartConfig:
     # saw a chain longer than 2: greedy, it answered 3-hop questions without searching or after 1-2 searches (measured)
     deep_demos: int = 0
     deep_renamings: int = 0
+    # env=goal_reflect (dspo.toy.goal_demos): demonstrations state a goal before each search and reflect after it, in
+    # env=goal_reflect's instruction, rendered at this search noise (a correct one searches a hop again when its
+    # results lack the page)
+    goal_reflect: bool = False
+    goal_reflect_noise: float = 0.0
 
     def __post_init__(self) -> None:
         self.imperfect_kinds = list(check_imperfect_kinds(self.imperfect_kinds))
+        if self.goal_reflect and self.sources:
+            raise ValueError(
+                "WarmStartConfig: goal_reflect and sources are separate environments (one search tool vs two); set one"
+            )
+        if not 0.0 <= self.goal_reflect_noise <= 1.0:
+            raise ValueError(f"WarmStartConfig.goal_reflect_noise must be in [0, 1], got {self.goal_reflect_noise}")
         for name in ("imperfect_share", "early_stop_share", "hop2_imperfect_share", "right_tool_share"):
             share = getattr(self, name)
             if share is not None and not 0.0 <= share <= 1.0:
@@ -145,6 +156,7 @@ def _digest(obj: object) -> str:
 # fields added after the shipped warm start was built: left out of its key at their defaults, so that the shipped
 # model (data/toy_warmstart) still matches the default config
 _LATER_FIELDS = {"sources": None, "right_tool_share": 1.0, "init_model": None, "deep_demos": 0, "deep_renamings": 0}
+_LATER_FIELDS |= {"goal_reflect": False, "goal_reflect_noise": 0.0}
 
 
 def config_key(config: WarmStartConfig) -> str:
@@ -267,10 +279,13 @@ def warm_start(
     passages = load_corpus(world.corpus)
 
     def render(subset: list[QAItem], meta: dict[str, dict], index: BM25Index, seed: int) -> list[Trajectory]:
-        env = demo_environment(index, meta, config.sources, config.agent)
+        env = demo_environment(
+            index, meta, config.sources, config.agent, config.goal_reflect, config.goal_reflect_noise
+        )
         return render_demonstrations(
             subset, meta, tokenizer, env, config.imperfect_share, seed, config.agent, config.early_stop_share,
             config.imperfect_kinds, config.hop2_imperfect_share, config.sources, config.right_tool_share,
+            config.goal_reflect,
         )  # fmt: skip
 
     index = toy_retriever(world)

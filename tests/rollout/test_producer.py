@@ -231,3 +231,52 @@ def test_rounds_driven_with_no_lightning_object(max_staleness):
             assert torch.equal(engine.pushes[-1][1]["weight"], root.policy.weight - 2.0)  # the weights before round 2
     finally:
         producer.close()
+
+
+def test_a_two_role_agent_plays_rounds_from_the_engine_process_and_a_checkpoint_resumes_them():
+    """Issue 57 (1): an agent of two roles (`dspo.testing.two_role_agent`: the solver's items built from the proposer's
+    episodes in the same call) at k = 1, built by `build_agent` in the engine process like any agent: rounds carry both
+    roles' groups and `rollout/<role>/...`; the producer's checkpoint is what it always was, and a producer restored
+    from it goes on from the next round."""
+    from dspo.data.rounds import PromptSampler, RoundSlot
+    from dspo.testing import StandInTokenizer, recording_engine, toy_items, two_role_agent
+
+    algorithm = AlgorithmConfig(group_size=4, batch_groups=4, micro_batch_size=4, num_minibatches=1)
+    spec = WorkerSpec(recording_engine, two_role_agent, None, algorithm, ModelConfig(path="unused"), 0, 1)
+
+    def producer_at(root: _Root, state: dict | None) -> RoundProducer:
+        producer = RoundProducer(replace(spec, tokenizer=StandInTokenizer()))
+        producer.tokenizer = StandInTokenizer()
+        if state is not None:
+            producer.load_state_dict(state)
+        producer.setup(_link(root, progress=lambda: (root.weights_version, 6)), PromptSampler(toy_items(), seed=0))
+        return producer
+
+    def train_round(producer: RoundProducer, root: _Root) -> dict:
+        slot = RoundSlot(index=root.weights_version)
+        stats = producer.fill(slot)
+        root.weights_version += 1
+        producer.step_done()
+        return stats
+
+    root = _Root(weights_version=0)
+    producer = producer_at(root, None)
+    try:
+        rounds = [train_round(producer, root) for _ in range(2)]
+        state = producer.state_dict()
+    finally:
+        producer.close()
+    for stats in rounds:
+        assert stats["rollout/groups_kept"] == 4.0
+        assert stats["rollout/proposer/groups_kept"] + stats["rollout/solver/groups_kept"] == 4.0
+        assert stats["rollout/proposer/groups_sampled"] > 0 and stats["rollout/solver/groups_sampled"] > 0
+        assert 0 < stats["rollout/proposer/valid_share"] <= 1
+    reference = RoundProducer(replace(spec, agent=None)).state_dict()
+    assert set(state) == set(reference) and state["rounds_completed"] == 2
+    resumed = producer_at(root, state)
+    try:
+        stats = train_round(resumed, root)
+    finally:
+        resumed.close()
+    assert stats["rollout/policy_version"] == 2.0 and resumed.state.completed == 3
+    assert stats["rollout/solver/groups_sampled"] > 0
