@@ -106,10 +106,40 @@ class SlurmLauncherBase(_DspoLauncher):
 
     _EXECUTOR = "slurm"
 
-    def launch(self, job_overrides: Any, initial_job_idx: int) -> Any:
+    def executor(self) -> Any:
+        """submitit's SLURM executor with this config's parameters, as Hydra's plugin builds it (its `launch`)."""
+        import submitit
+        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+        from omegaconf import OmegaConf
+
+        executor = submitit.AutoExecutor(
+            cluster="slurm", folder=self.params["submitit_folder"], slurm_max_num_timeout=self.params["max_num_timeout"]
+        )
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        skip = {"submitit_folder", "max_num_timeout"}
+        executor.update_parameters(
+            **{k if k in base else f"slurm_{k}": v for k, v in self.params.items() if k not in skip}
+        )
+        return executor
+
+    def sbatch_script(self, jobs: int) -> str:
+        """The sbatch script submitit writes for a sweep of `jobs` jobs (an array), without submitting anything."""
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        slurm = self.executor()._executor
+        return _make_sbatch_string(
+            command="<submitit's job command>", folder=slurm.folder, map_count=jobs, **slurm.parameters
+        )
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
         assert self.config is not None
         check_devices(self.config.get("trainer"), self.params.get("gpus_per_node"))
-        return super().launch(job_overrides, initial_job_idx)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        log.info("Submitit 'slurm' sweep output dir : %s", sweep_dir)
+        params = self._job_params(job_overrides, initial_job_idx)
+        jobs = self.executor().map_array(self, *zip(*params, strict=True))
+        return [_job_result(job, p[0]) for job, p in zip(jobs, params, strict=True)]
 
 
 def check_devices(trainer: Any, gpus_per_node: int | None) -> None:
@@ -220,11 +250,14 @@ class JobLines:
                 self.shown[num] = state
 
     def _statuses(self) -> dict[int, dict]:
-        found = {}
-        for path in self.sweep_dir.glob("*/status.json"):
+        """{job number: its newest status}: the job folder's own, or a run inside it (`trial_seeds`' seed<k>/)."""
+        found: dict[int, dict] = {}
+        for path in [*self.sweep_dir.glob("*/status.json"), *self.sweep_dir.glob("*/*/status.json")]:
             status = read_status(path.parent) or {}
-            if isinstance(status.get("job_num"), int):
-                found[status["job_num"]] = {**status, "dir": path.parent.name}
+            num = status.get("job_num")
+            if isinstance(num, int) and status.get("updated", 0) >= found.get(num, {}).get("updated", 0):
+                where = path.parent.relative_to(self.sweep_dir)
+                found[num] = {**status, "dir": str(where)}
         return found
 
 

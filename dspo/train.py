@@ -125,7 +125,8 @@ def mean_over_seeds(cfg: DictConfig) -> float | None:
     scored = [v for v in values.values() if v is not None]
     mean = sum(scored) / len(scored) if scored else None
     log.info("trial_seeds %s: %s = %s (mean of %s)", seeds, cfg.sweep_metric, mean, values)
-    _write_end(cfg, "finished", metric=mean, seed_metrics={str(k): v for k, v in values.items()})
+    job_num = OmegaConf.select(_hydra_job_config(), "num", default=None)
+    _write_end(cfg, "finished", metric=mean, seed_metrics={str(k): v for k, v in values.items()}, job_num=job_num)
     return mean
 
 
@@ -189,6 +190,12 @@ def _train(cfg: DictConfig) -> float | None:
     result = metrics.get(cfg.sweep_metric)
     _write_end(cfg, "finished", step=trainer.global_step, max_steps=trainer.max_steps, metric=result)
     return result
+
+
+def _hydra_job_config() -> Any:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().job if HydraConfig.initialized() else None
 
 
 def _sweep_job() -> bool:
