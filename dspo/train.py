@@ -125,7 +125,8 @@ def mean_over_seeds(cfg: DictConfig) -> float | None:
     scored = [v for v in values.values() if v is not None]
     mean = sum(scored) / len(scored) if scored else None
     log.info("trial_seeds %s: %s = %s (mean of %s)", seeds, cfg.sweep_metric, mean, values)
-    job_num = OmegaConf.select(_hydra_job_config(), "num", default=None)
+    job = _hydra_job_config()
+    job_num = job.get("num") if job is not None else None
     _write_end(cfg, "finished", metric=mean, seed_metrics={str(k): v for k, v in values.items()}, job_num=job_num)
     return mean
 

@@ -4,6 +4,7 @@ settings each job's curves belong to."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -33,7 +34,13 @@ class RunStatus(pl.Callback):
 
     def _write(self, trainer: pl.Trainer) -> None:
         job_num, _ = hydra_job()
-        write_status(self.run_dir, "running", step=trainer.global_step, max_steps=trainer.max_steps, job_num=job_num)
+        where = {
+            "pid": os.getpid(),
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        }
+        write_status(
+            self.run_dir, "running", step=trainer.global_step, max_steps=trainer.max_steps, job_num=job_num, **where
+        )
         self._written = time.monotonic()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
