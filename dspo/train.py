@@ -97,6 +97,13 @@ def train(cfg: DictConfig) -> float | None:
 
     if cfg.get("trial_seeds"):
         return mean_over_seeds(cfg)
+    if _sweep_job() and cfg.ckpt_path == "auto":
+        done, metric = finished_result(str(cfg.output_dir), OmegaConf.select(cfg, "trainer.max_steps", default=None))
+        if done:  # a resumed sweep: this job finished before, its result stands (docs/scaling.md#a-sweep-on-slurm)
+            log.warning(
+                "%s finished before (status.json): not run again; %s = %s", cfg.output_dir, cfg.sweep_metric, metric
+            )
+            return metric
     with process_settings(accelerator=OmegaConf.select(cfg, "trainer.accelerator", default=None)):
         configure_threads(local_processes=local_processes(cfg))
         try:
@@ -163,13 +170,6 @@ def _train(cfg: DictConfig) -> float | None:
     import_modules(cfg.get("imports"))  # first: user objectives and modes exist for the checks
     check_round_alignment(cfg)
     check_combinations(cfg)
-    if _sweep_job() and cfg.ckpt_path == "auto":
-        done, metric = finished_result(str(cfg.output_dir), OmegaConf.select(cfg, "trainer.max_steps", default=None))
-        if done:  # a resumed sweep: this job finished before, its result stands (docs/scaling.md#a-sweep-on-slurm)
-            log.warning(
-                "%s finished before (status.json): not run again; %s = %s", cfg.output_dir, cfg.sweep_metric, metric
-            )
-            return metric
     ckpt_path = _resume_in_place(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     prepare(cfg)

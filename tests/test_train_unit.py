@@ -206,3 +206,24 @@ def test_trial_seeds_train_one_run_per_seed_in_its_own_folder_and_return_the_mea
     assert seen == [(s, f"dspo_seed{s}", str(tmp_path / f"seed{s}")) for s in (0, 1, 2)]
     status = read_status(tmp_path)
     assert status["state"] == "finished" and status["seed_metrics"] == {"0": 0.5, "1": 0.25, "2": None}
+
+
+def test_a_resumed_sweep_does_not_run_a_job_that_finished_again(tmp_path, monkeypatch) -> None:
+    """`ckpt_path=auto` in a sweep job (dspo's launchers add it): a job whose status.json says it finished as far as
+    asked returns its stored metric without training; asked for more steps, or outside a sweep, it runs."""
+    from dspo.sweep import write_status
+
+    ran = []
+    train_module = _stand_in_run(monkeypatch, lambda cfg: ran.append(cfg.output_dir) or 0.1)
+    monkeypatch.setattr(train_module, "_sweep_job", lambda: True)
+    write_status(tmp_path, "finished", step=4, max_steps=4, metric=0.5)
+    cfg = OmegaConf.create({"ckpt_path": "auto", "sweep_metric": "val/subem_mean", "trainer": {"max_steps": 4}})
+    cfg.output_dir = str(tmp_path)
+    assert train_module.train(cfg) == 0.5 and ran == []
+    cfg.trainer.max_steps = 8  # train further: resumed from its checkpoint, not skipped
+    assert train_module.train(cfg) == 0.1 and ran == [str(tmp_path)]
+    cfg.trainer.max_steps, cfg.ckpt_path = 4, None
+    assert train_module.train(cfg) == 0.1
+    monkeypatch.setattr(train_module, "_sweep_job", lambda: False)
+    cfg.ckpt_path = "auto"
+    assert train_module.train(cfg) == 0.1 and len(ran) == 3
