@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from dspo.combinations import check_combinations
 from dspo.resume import discard, move_into_run, resolve_ckpt_path
 from dspo.runtime import run_command
-from dspo.sweep import finished_result
+from dspo.sweep import finished_result, read_status
 from dspo.trust import import_modules
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -129,12 +129,13 @@ def mean_over_seeds(cfg: DictConfig) -> float | None:
         except BaseException as error:
             _write_end(cfg, "failed", error=f"seed {seed}: {_error_line(error)}")
             raise
+        if (read_status(one.output_dir) or {}).get("state") == "preempted":  # the requeued job resumes this seed
+            _write_end(cfg, "preempted", error=f"seed {seed} preempted")
+            return None
     scored = [v for v in values.values() if v is not None]
     mean = sum(scored) / len(scored) if scored else None
     log.info("trial_seeds %s: %s = %s (mean of %s)", seeds, cfg.sweep_metric, mean, values)
-    job = _hydra_job_config()
-    job_num = job.get("num") if job is not None else None
-    _write_end(cfg, "finished", metric=mean, seed_metrics={str(k): v for k, v in values.items()}, job_num=job_num)
+    _write_end(cfg, "finished", metric=mean, seed_metrics={str(k): v for k, v in values.items()})
     return mean
 
 
@@ -153,6 +154,8 @@ def _write_end(cfg: DictConfig, state: str, **fields: Any) -> None:
         return
     try:
         run_dir = Path(str(cfg.output_dir))
+        if _sweep_job():  # the local launcher's console line finds the job by it (dspo.launchers.JobLines)
+            fields.setdefault("job_num", _hydra_job_config().get("num"))
         if run_dir.is_dir():  # a command refused before it started removed its folder (dspo.resume.discard): keep it so
             write_status(run_dir, state, **fields)
     except Exception as error:  # e.g. output_dir unresolvable outside Hydra: the run's outcome matters more

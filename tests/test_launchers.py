@@ -102,3 +102,32 @@ def test_local_sweep_runs_two_jobs_in_parallel_processes_and_reads_them_back(
         (text,) = [tag for tag in events.Tags()["tensors"] if tag.startswith("run/overrides")]
         assert f"algorithm={name.split('_')[1]}" in events.Tensors(text)[0].tensor_proto.string_val[0].decode()
     assert sorted(ablation.report(sweep)["summary"]) == ["dspo", "gspo"]
+
+
+def test_console_lines_follow_each_jobs_status_and_print_only_changes(tmp_path, capsys) -> None:
+    """dspo.launchers.JobLines on a sweep folder written here: queued, started, running step N/M (a run's own
+    status.json, or a trial_seeds run inside the job's folder), finished with its value, failed with the last line."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from dspo.launchers import JobLines, failed_return
+    from dspo.sweep import write_status
+
+    lines = JobLines(tmp_path, [0, 1, 2])
+    lines.started(0)
+    lines.started(1)
+    write_status(tmp_path / "0_dspo_seed0", "running", step=1, max_steps=4, job_num=0)
+    write_status(tmp_path / "1" / "seed0", "running", step=3, max_steps=4, job_num=1)
+    lines.show()
+    lines.show()  # nothing changed: nothing printed
+    done = JobReturn(status=JobStatus.COMPLETED)
+    done.return_value = 0.5
+    lines.ended(0, done)
+    lines.ended(1, failed_return(["seed=0"], RuntimeError("engine died\nCUDA error: out of memory")))
+    lines.show()
+    assert capsys.readouterr().out.splitlines() == [
+        "[sweep] job 0 (0_dspo_seed0): running step 1/4",
+        "[sweep] job 1 (1/seed0): running step 3/4",
+        "[sweep] job 2: queued",
+        "[sweep] job 0 (0_dspo_seed0): finished (0.5000)",
+        "[sweep] job 1 (1/seed0): failed: RuntimeError: CUDA error: out of memory",
+    ]
