@@ -227,8 +227,35 @@ def _panel_note(ax, text: str) -> None:
 
 
 def report(sweep: str | Path, minibatches: int = 2) -> dict:
-    """Everything the README's ablation section shows, as plain JSON-able data."""
-    runs = find_runs(sweep)
+    """Everything the README's ablation section shows, as plain JSON-able data. Jobs that failed, were preempted or
+    were killed (their `status.json`, dspo.sweep) are left out of the numbers and listed under `incomplete_jobs` with
+    their last error line (the key is absent when every job finished, so a complete sweep's report is as before)."""
+    runs, incomplete = complete_runs(sweep)
+    if not runs:
+        names = ", ".join(job["job"] for job in incomplete)
+        raise FileNotFoundError(f"no job of {sweep} finished ({names}): `python -m dspo.sweep {sweep}` says why")
+    result = _report(runs, minibatches)
+    if incomplete:
+        result["incomplete_jobs"] = incomplete
+    return result
+
+
+def complete_runs(sweep: str | Path) -> tuple[list[RunInfo], list[dict]]:
+    """(the runs to report, the jobs left out: job, state, step, error), by each run's `status.json`; a run without
+    one (written before status files existed) is reported as it is."""
+    from dspo.sweep import INCOMPLETE_STATES, job_state
+
+    runs, incomplete = [], []
+    for run in find_runs(sweep):
+        job = job_state(run.dir)
+        if job.state in INCOMPLETE_STATES:
+            incomplete.append({"job": job.name, "state": job.state, "step": job.step, "error": job.error})
+        else:
+            runs.append(run)
+    return runs, incomplete
+
+
+def _report(runs: list[RunInfo], minibatches: int) -> dict:
     records = [run_record(run) for run in runs]
     table = summary(records)
     clip = {
@@ -302,6 +329,9 @@ def report_text(result: dict) -> str:
                 f"step-0 validation was logged (runs end at step {max(steps, default=0)}, before the next validation: "
                 "trainer.val_check_interval), so 'val final' and 'gain' are blank, not 0"
             )
+    for job in result.get("incomplete_jobs", []):
+        step = f" at step {job['step']}" if job.get("step") is not None else ""
+        lines.append(f"left out: {job['job']} {job['state']}{step}: {job.get('error') or 'no error line found'}")
     if result["clip_activity"]:
         lines += ["", "clip activity per position of the optimizer step in its round (0 = first mini-batch, on-policy;"]
         lines += ["one run per algorithm):", format_clip(result["clip_activity"]).to_string()]
@@ -321,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, default=float) + "\n")
     if args.figure:
-        plot_ablation(find_runs(args.sweep), args.figure)
+        plot_ablation(complete_runs(args.sweep)[0], args.figure)
 
 
 if __name__ == "__main__":

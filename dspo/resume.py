@@ -96,9 +96,10 @@ def _refuse_ambiguous_runs(runs: list[Path], run_name: str) -> None:
     )
 
 
-def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+def resolve_ckpt_path(cfg: DictConfig, own_folder_only: bool = False) -> str | None:
     """The checkpoint to resume (None: a fresh start); with `last`/`auto` the run then continues in its folder
-    (`cfg.output_dir` is moved there). Refuses, before anything is written, what the module docstring lists."""
+    (`cfg.output_dir` is moved there). Refuses, before anything is written, what the module docstring lists.
+    `own_folder_only` (a sweep's job): `last`/`auto` look in `cfg.output_dir` only, not in `paths.outputs/train/`."""
     from dspo.checkpointing import ERROR_CHECKPOINTS, newest_loadable
     from dspo.trust import check_checkpoint_owner
 
@@ -111,8 +112,13 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         check_checkpoint_owner(path, "ckpt_path", bool(cfg.get("allow_foreign_checkpoint")))
         _refuse_nothing_to_train(cfg, str(path))
         return str(path)
-    pattern = os.path.join(cfg.paths.outputs, "train", f"{cfg.run_name}_*", "checkpoints", "*.ckpt")
-    found = {*glob.glob(pattern), *glob.glob(str(Path(cfg.output_dir) / "checkpoints" / "*.ckpt"))}
+    own = str(Path(cfg.output_dir) / "checkpoints" / "*.ckpt")
+    pattern = (
+        own
+        if own_folder_only
+        else os.path.join(cfg.paths.outputs, "train", f"{cfg.run_name}_*", "checkpoints", "*.ckpt")
+    )
+    found = {*glob.glob(pattern), *glob.glob(own)}
     candidates = [c for c in found if Path(c).name not in ERROR_CHECKPOINTS]
     if not candidates and cfg.ckpt_path == "auto":
         log.info("ckpt_path=auto: no checkpoint of run_name=%s yet; starting a new run", cfg.run_name)

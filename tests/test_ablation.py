@@ -147,3 +147,38 @@ def test_console_table_carries_intervals_tokens_and_clip(sweep, capsys) -> None:
     assert dspo_row.split()[1] == "2" and f"0.550 ± {half:.3f}" in dspo_row and f"+0.350 ± {half:.3f}" in dspo_row
     assert "tokens sampled" in out and "no final validation" not in out
     assert "ratio min .. max (mean)" in out and "0.9900 .. 1.0200" in out
+
+
+def test_a_failed_or_killed_job_is_named_and_the_others_reported(tmp_path, sweep, capsys) -> None:
+    """Issue 58: a sweep where one job failed and one was killed mid-run still reports the finished ones, and names
+    the two with their state, step and last error line; a sweep without status files reports as before."""
+    import json
+    import shutil
+
+    from dspo.sweep import write_status
+
+    assert "incomplete_jobs" not in ablation.report(sweep)  # no status.json: every run counts, the report unchanged
+    root = tmp_path / "sweep"
+    shutil.copytree(sweep, root)
+    for name in ("0_dspo_seed0", "1_dspo_seed1"):
+        write_status(root / name, "finished", step=4, max_steps=4)
+    write_status(root / "2_grpo_seed0", "failed", step=2, error="ConnectionError: retriever unreachable")
+    write_run(root / "3_gspo_seed0", "gspo", 0, {0: 0.2}, [0.3])
+    write_status(root / "3_gspo_seed0", "running", step=1, max_steps=4)
+    cancelled = "slurmstepd: error: *** JOB 42 CANCELLED AT 12:00 ***"
+    (root / "3_gspo_seed0" / "train.log").write_text(f"step 1\n{cancelled}\n")
+    result = ablation.report(root)
+    assert sorted(result["summary"]) == ["dspo"] and len(result["runs"]) == 2
+    assert result["incomplete_jobs"] == [
+        {"job": "2_grpo_seed0", "state": "failed", "step": 2, "error": "ConnectionError: retriever unreachable"},
+        {"job": "3_gspo_seed0", "state": "stopped", "step": 1, "error": cancelled},
+    ]  # fmt: skip
+    ablation.main([str(root), "--json", str(tmp_path / "report.json"), "--figure", str(tmp_path / "f.png")])
+    out = capsys.readouterr().out
+    assert "left out: 2_grpo_seed0 failed at step 2: ConnectionError: retriever unreachable" in out
+    assert "left out: 3_gspo_seed0 stopped at step 1: slurmstepd: error: *** JOB 42 CANCELLED" in out
+    assert json.loads((tmp_path / "report.json").read_text())["incomplete_jobs"][0]["job"] == "2_grpo_seed0"
+    for name in ("0_dspo_seed0", "1_dspo_seed1"):
+        write_status(root / name, "failed", error="ValueError: x")
+    with pytest.raises(FileNotFoundError, match="no job of .* finished"):
+        ablation.report(root)

@@ -157,3 +157,30 @@ def test_lora_is_off_by_default_and_one_override_turns_it_on(tmp_path):
     assert instantiate(_compose("train", [*paper, f"output_dir={tmp_path}"]).model).lora.r == 16
     with pytest.raises(Exception, match="model.lora.r must be an integer >= 1"):  # Hydra wraps the ValueError
         instantiate(_compose("train", ["model.lora.r=0", f"output_dir={tmp_path}"]).model)
+
+
+HYDRA_OPTIONS = sorted((str(p.parent.relative_to(CONF)), p.stem) for p in (CONF / "hydra").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", HYDRA_OPTIONS)
+def test_every_hydra_option_composes_and_names_a_plugin_hydra_can_load(group, option, tmp_path):
+    """conf/hydra/<group>/*.yaml (the launchers of docs/scaling.md#a-sweep-on-slurm) compose into train, and their
+    `_target_` is a class in Hydra's `hydra_plugins` package (Hydra refuses launchers from anywhere else)."""
+    from hydra.core.plugins import Plugins
+
+    assert HYDRA_OPTIONS, "conf/hydra/ holds no option"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[f"{group}={option}", f"output_dir={tmp_path}"], return_hydra_config=True)
+    target = OmegaConf.select(cfg, group.replace("/", "."))._target_
+    assert target.startswith("hydra_plugins.") and target in Plugins.instance().class_name_to_class
+
+
+def test_the_search_experiment_searches_the_documented_keys(tmp_path):
+    cfg = _compose("train", ["experiment=search_toy", f"output_dir={tmp_path}"])
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        hydra = compose("train", overrides=["experiment=search_toy"], return_hydra_config=True).hydra
+    assert hydra.sweeper._target_.endswith("OptunaSweeper") and hydra.sweeper.direction == "maximize"
+    assert set(hydra.sweeper.params) == {"optimizer.lr", "algorithm.loss_kwargs.clip_high", "algorithm.group_size"}
+    assert list(cfg.trial_seeds) == [0, 1] and cfg.sweep_metric == "val/subem_mean" and cfg.toy.topk == 1

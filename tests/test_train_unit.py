@@ -158,3 +158,72 @@ def test_train_runs_inside_the_process_settings_and_leaves_them_on_failure(monke
     with pytest.raises(RuntimeError, match="stop here"):
         dspo.train.train(cfg)
     assert events == [("enter", "cpu"), ("threads", 2), ("imports",), ("exit",)]
+
+
+def _stand_in_run(monkeypatch, run):
+    """`dspo.train.train` with `_train` replaced by `run` and torch's thread count left alone (process-wide)."""
+    import dspo.train as train_module
+
+    monkeypatch.setattr("dspo.runtime.configure_threads", lambda **kwargs: 1)
+    monkeypatch.setattr(train_module, "_train", run)
+    return train_module
+
+
+def test_a_run_that_fails_writes_failed_and_the_error_line_to_its_status(tmp_path, monkeypatch) -> None:
+    """What the sweep's console line and `python -m dspo.ablation` name for a failed job (dspo.sweep)."""
+    from dspo.sweep import read_status
+
+    train_module = _stand_in_run(monkeypatch, lambda cfg: train_module.check_round_alignment(cfg))
+    cfg = OmegaConf.create(
+        {"trainer": {"accelerator": "cpu", "val_check_interval": 3}, "algorithm": {"num_minibatches": 2}}
+    )
+    cfg.output_dir = str(tmp_path)
+    with pytest.raises(ValueError, match="val_check_interval=3"):
+        train_module.train(cfg)
+    status = read_status(tmp_path)
+    assert status["state"] == "failed" and status["error"].startswith("ValueError: trainer.val_check_interval=3 is")
+    gone = OmegaConf.create({**OmegaConf.to_container(cfg), "output_dir": str(tmp_path / "removed")})
+    with pytest.raises(ValueError):
+        train_module.train(gone)
+    assert not (tmp_path / "removed").exists()  # a refused command's folder is not brought back by its status
+
+
+def test_trial_seeds_train_one_run_per_seed_in_its_own_folder_and_return_the_mean(tmp_path, monkeypatch) -> None:
+    from dspo.sweep import read_status
+
+    seen = []
+
+    def run(cfg):
+        seen.append((cfg.seed, cfg.run_name, cfg.output_dir))
+        return {0: 0.5, 1: 0.25, 2: None}[cfg.seed]
+
+    train_module = _stand_in_run(monkeypatch, run)
+    cfg = OmegaConf.create(
+        {"seed": 9, "run_name": "dspo_seed${seed}", "trial_seeds": [0, 1, 2], "sweep_metric": "val/subem_mean"}
+    )
+    cfg.output_dir, cfg.trainer = str(tmp_path), {"accelerator": "cpu"}
+    assert train_module.train(cfg) == pytest.approx(0.375)  # the seed that returned no metric is left out
+    assert seen == [(s, f"dspo_seed{s}", str(tmp_path / f"seed{s}")) for s in (0, 1, 2)]
+    status = read_status(tmp_path)
+    assert status["state"] == "finished" and status["seed_metrics"] == {"0": 0.5, "1": 0.25, "2": None}
+
+
+def test_a_resumed_sweep_does_not_run_a_job_that_finished_again(tmp_path, monkeypatch) -> None:
+    """`ckpt_path=auto` in a sweep job (dspo's launchers add it): a job whose status.json says it finished as far as
+    asked returns its stored metric without training; asked for more steps, or outside a sweep, it runs."""
+    from dspo.sweep import write_status
+
+    ran = []
+    train_module = _stand_in_run(monkeypatch, lambda cfg: ran.append(cfg.output_dir) or 0.1)
+    monkeypatch.setattr(train_module, "_sweep_job", lambda: True)
+    write_status(tmp_path, "finished", step=4, max_steps=4, metric=0.5)
+    cfg = OmegaConf.create({"ckpt_path": "auto", "sweep_metric": "val/subem_mean", "trainer": {"max_steps": 4}})
+    cfg.output_dir = str(tmp_path)
+    assert train_module.train(cfg) == 0.5 and ran == []
+    cfg.trainer.max_steps = 8  # train further: resumed from its checkpoint, not skipped
+    assert train_module.train(cfg) == 0.1 and ran == [str(tmp_path)]
+    cfg.trainer.max_steps, cfg.ckpt_path = 4, None
+    assert train_module.train(cfg) == 0.1
+    monkeypatch.setattr(train_module, "_sweep_job", lambda: False)
+    cfg.ckpt_path = "auto"
+    assert train_module.train(cfg) == 0.1 and len(ran) == 3

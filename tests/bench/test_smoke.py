@@ -102,3 +102,31 @@ def test_guard_figure_draws_two_runs_and_refuses_an_empty_one(tmp_path: Path) ->
     command = [sys.executable, str(REPO / "bench" / "guard_figure.py"), str(tmp_path / "empty"), str(tmp_path / "on")]
     done = subprocess.run([*command, str(tmp_path / "e.png")], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "nothing to draw" in done.stderr
+
+
+def test_search_figure_rebuilds_the_study_of_a_search_folder(tmp_path: Path) -> None:
+    """bench/search_figure.py on a search folder written here the way `experiment=search_toy` writes one (a trial's
+    hydra.yaml with the sweeper's search space, overrides.yaml, status.json with the mean over trial_seeds): the best
+    trial, each seed's value, Optuna's figure; a trial without a score (killed) is listed but not in the study."""
+    import json
+
+    params = {"optimizer.lr": "tag(log, interval(5e-5, 1e-3))", "algorithm.group_size": "choice(4, 5, 8)"}
+    hydra = {"hydra": {"sweeper": {"direction": "maximize", "params": params}}}
+    for number, (lr, group, value) in enumerate([(1e-4, 4, 0.5), (3e-4, 8, 0.75), (2e-4, 5, None)]):
+        folder = tmp_path / "search" / str(number)
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "hydra.yaml").write_text(json.dumps(hydra))
+        overrides = f"- optimizer.lr={lr}\n- algorithm.group_size={group}\n- experiment=search_toy\n"
+        (folder / ".hydra" / "overrides.yaml").write_text(overrides)
+        if value is not None:
+            seeds = {"0": value - 0.05, "1": value + 0.05}
+            (folder / "status.json").write_text(
+                json.dumps({"state": "finished", "metric": value, "seed_metrics": seeds})
+            )
+    out = tmp_path / "r.json"
+    args = [str(tmp_path / "search"), "--figure", str(tmp_path / "f.png"), "--json", str(out)]
+    done = run_bench("search_figure", args, tmp_path)
+    result = json.loads(out.read_text())
+    assert result["best"] == {"number": 1, "params": {"optimizer.lr": 3e-4, "algorithm.group_size": 8}, "value": 0.75}
+    assert [t["state"] for t in result["trials"]] == ["finished", "finished", "missing"]
+    assert "trial 1: 0.75 (seeds 0:0.700 1:0.800)" in done.stdout and (tmp_path / "f.png").stat().st_size > 1000
