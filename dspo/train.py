@@ -8,19 +8,19 @@ dspo-train ckpt_path=last                           # resume the newest run of t
 
 from __future__ import annotations
 
-import copy
 import logging
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
+from dspo import sweep_job
 from dspo.combinations import check_combinations
 from dspo.resume import discard, move_into_run, resolve_ckpt_path
 from dspo.runtime import run_command
-from dspo.sweep import finished_result, read_status
+from dspo.sweep import finished_result
 from dspo.trust import import_modules
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -92,12 +92,12 @@ def local_processes(cfg: DictConfig) -> int | None:
 
 def train(cfg: DictConfig) -> float | None:
     """The run, inside dspo.runtime.process_settings: its environment defaults and warning filters end with it.
-    With `trial_seeds` (a list), one run per seed and the mean of their sweep metrics (`mean_over_seeds`)."""
+    With `trial_seeds` (a list), one run per seed and the mean of their sweep metrics (`dspo.sweep_job`)."""
     from dspo.runtime import configure_threads, process_settings
 
     if cfg.get("trial_seeds"):
-        return mean_over_seeds(cfg)
-    if _sweep_job() and cfg.ckpt_path == "auto":
+        return sweep_job.mean_over_seeds(cfg, train)
+    if sweep_job.in_sweep() and cfg.ckpt_path == "auto":
         done, metric = finished_result(str(cfg.output_dir), OmegaConf.select(cfg, "trainer.max_steps", default=None))
         if done:  # a resumed sweep: this job finished before, its result stands (docs/scaling.md#a-sweep-on-slurm)
             log.warning(
@@ -109,57 +109,8 @@ def train(cfg: DictConfig) -> float | None:
         try:
             return _train(cfg)
         except BaseException as error:  # the sweep's report names the failed job with this line (dspo.sweep)
-            _write_end(cfg, "failed", error=_error_line(error))
+            sweep_job.write_end(cfg, "failed", error=sweep_job.error_line(error))
             raise
-
-
-def mean_over_seeds(cfg: DictConfig) -> float | None:
-    """One run per seed of `trial_seeds`, each in `<output_dir>/seed<k>/`, one after another; returns the mean of
-    their sweep metrics (runs that returned none left out; None if all did), so that a search trial is scored by
-    several seeds rather than by one seed's luck. The job's own `status.json` gets the mean and each seed's value."""
-    seeds = [int(seed) for seed in cfg.trial_seeds]
-    values: dict[int, float | None] = {}
-    for seed in seeds:
-        one = copy.deepcopy(cfg)
-        with open_dict(one):
-            one.seed, one.trial_seeds = seed, None
-            one.output_dir = str(Path(str(cfg.output_dir)) / f"seed{seed}")
-        try:
-            values[seed] = train(one)
-        except BaseException as error:
-            _write_end(cfg, "failed", error=f"seed {seed}: {_error_line(error)}")
-            raise
-        if (read_status(one.output_dir) or {}).get("state") == "preempted":  # the requeued job resumes this seed
-            _write_end(cfg, "preempted", error=f"seed {seed} preempted")
-            return None
-    scored = [v for v in values.values() if v is not None]
-    mean = sum(scored) / len(scored) if scored else None
-    log.info("trial_seeds %s: %s = %s (mean of %s)", seeds, cfg.sweep_metric, mean, values)
-    _write_end(cfg, "finished", metric=mean, seed_metrics={str(k): v for k, v in values.items()})
-    return mean
-
-
-def _error_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
-
-
-def _write_end(cfg: DictConfig, state: str, **fields: Any) -> None:
-    """`status.json` of the run (dspo.sweep), from global rank 0 only; never hides the run's own outcome."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-    from dspo.sweep import write_status
-
-    if getattr(rank_zero_only, "rank", 0) != 0:
-        return
-    try:
-        run_dir = Path(str(cfg.output_dir))
-        if _sweep_job():  # the local launcher's console line finds the job by it (dspo.launchers.JobLines)
-            fields.setdefault("job_num", _hydra_job_config().get("num"))
-        if run_dir.is_dir():  # a command refused before it started removed its folder (dspo.resume.discard): keep it so
-            write_status(run_dir, state, **fields)
-    except Exception as error:  # e.g. output_dir unresolvable outside Hydra: the run's outcome matters more
-        log.warning("could not write status.json (%s)", error)
 
 
 def _train(cfg: DictConfig) -> float | None:
@@ -185,29 +136,15 @@ def _train(cfg: DictConfig) -> float | None:
         log.warning(
             "stopped by a preemption signal at step %d; resume with ckpt_path=last (%s)", trainer.global_step, saved
         )
-        _write_end(cfg, "preempted", step=trainer.global_step, max_steps=trainer.max_steps, checkpoint=saved)
+        sweep_job.write_end(cfg, "preempted", step=trainer.global_step, max_steps=trainer.max_steps, checkpoint=saved)
         return metrics.get(cfg.sweep_metric)
     if cfg.run_test and datamodule.test_files:
         for result in trainer.test(module, datamodule=datamodule, verbose=False):
             metrics.update({k: float(v) for k, v in result.items()})
     _report(cfg, trainer, metrics)
     result = metrics.get(cfg.sweep_metric)
-    _write_end(cfg, "finished", step=trainer.global_step, max_steps=trainer.max_steps, metric=result)
+    sweep_job.write_end(cfg, "finished", step=trainer.global_step, max_steps=trainer.max_steps, metric=result)
     return result
-
-
-def _hydra_job_config() -> Any:
-    from hydra.core.hydra_config import HydraConfig
-
-    return HydraConfig.get().job if HydraConfig.initialized() else None
-
-
-def _sweep_job() -> bool:
-    """True in a job of a Hydra multirun (a sweep), whatever its launcher."""
-    from hydra.core.hydra_config import HydraConfig
-
-    mode = HydraConfig.get().mode if HydraConfig.initialized() else None
-    return mode is not None and mode.name == "MULTIRUN"
 
 
 def _hydra_dir() -> str | None:
@@ -222,7 +159,7 @@ def _resume_in_place(cfg: DictConfig) -> str | None:
     it (or is removed when the command is refused before doing anything): dspo.resume."""
     fresh = _hydra_dir()
     try:  # a sweep job resumes only its own folder: another sweep's or a single run's of the same name is not it
-        ckpt_path = resolve_ckpt_path(cfg, own_folder_only=_sweep_job())
+        ckpt_path = resolve_ckpt_path(cfg, own_folder_only=sweep_job.in_sweep())
     except (ValueError, FileNotFoundError):
         if fresh is not None:
             discard(Path(fresh))

@@ -215,7 +215,7 @@ def test_a_resumed_sweep_does_not_run_a_job_that_finished_again(tmp_path, monkey
 
     ran = []
     train_module = _stand_in_run(monkeypatch, lambda cfg: ran.append(cfg.output_dir) or 0.1)
-    monkeypatch.setattr(train_module, "_sweep_job", lambda: True)
+    monkeypatch.setattr("dspo.sweep_job.in_sweep", lambda: True)
     write_status(tmp_path, "finished", step=4, max_steps=4, metric=0.5)
     cfg = OmegaConf.create({"ckpt_path": "auto", "sweep_metric": "val/subem_mean", "trainer": {"max_steps": 4}})
     cfg.output_dir = str(tmp_path)
@@ -224,6 +224,6 @@ def test_a_resumed_sweep_does_not_run_a_job_that_finished_again(tmp_path, monkey
     assert train_module.train(cfg) == 0.1 and ran == [str(tmp_path)]
     cfg.trainer.max_steps, cfg.ckpt_path = 4, None
     assert train_module.train(cfg) == 0.1
-    monkeypatch.setattr(train_module, "_sweep_job", lambda: False)
+    monkeypatch.setattr("dspo.sweep_job.in_sweep", lambda: False)
     cfg.ckpt_path = "auto"
     assert train_module.train(cfg) == 0.1 and len(ran) == 3
