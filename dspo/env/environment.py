@@ -32,6 +32,9 @@ class Environment:
         agent is `rollout.agent` (the built-in tool-calling loop by default).
     max_agent_error_share: with `agent`, above this share of a batch's episodes failing (an exception, a timeout),
         the round fails naming the agent; below it each failed episode is a counted, untrained stub.
+    steady_validation: true when validation poses the same task at every step; false when it moves with training
+        (env=simulated's noise curriculum applies at validation too), so that validations of different steps do not
+        compare: the guard's `val_drop` and its best-validation target are then off (`guard.steady_validation`).
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class Environment:
         instruction: str | None = None,
         agent: str | Callable | None = None,
         max_agent_error_share: float = 0.05,
+        steady_validation: bool = True,
     ) -> None:
         self.tools = dict(tools)
         for key, tool in self.tools.items():
@@ -59,6 +63,7 @@ class Environment:
             raise ValueError(f"env.max_agent_error_share must be within [0, 1], got {max_agent_error_share}")
         self.agent = resolve_agent(agent) if agent is not None else None
         self.max_agent_error_share = max_agent_error_share
+        self.steady_validation = steady_validation
 
     @property
     def credit(self) -> str:

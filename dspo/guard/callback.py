@@ -64,6 +64,8 @@ class Guard(pl.Callback):
     backoff: the learning rate is multiplied by it at each rollback (0 < backoff <= 1).
     max_rollbacks: a rollback asked for after this many stops the run instead.
     steps_per_round: M (algorithm.num_minibatches): the guard evaluates at the round's last mini-batch.
+    steady_validation: false when the environment's validation moves with the step (`env.steady_validation`:
+        env=simulated's noise curriculum): `val_drop` is off and no best-validation checkpoint is kept.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class Guard(pl.Callback):
         backoff: float = 0.5,
         max_rollbacks: int = 3,
         steps_per_round: int = 1,
+        steady_validation: bool = True,
     ) -> None:
         if not 0 < backoff <= 1:
             raise ValueError(f"guard.backoff={backoff}: must be in (0, 1] (the learning rate's factor per rollback)")
@@ -83,6 +86,9 @@ class Guard(pl.Callback):
         self.enabled, self.backoff, self.max_rollbacks = enabled, backoff, max_rollbacks
         self.steps_per_round = steps_per_round
         self.detectors = build_detectors(detectors) if enabled else {}
+        self.steady_validation = steady_validation
+        if enabled and not steady_validation and self.detectors.pop("val_drop", None) is not None:
+            log.info("guard: val_drop off: the environment's validation moves with the step (env.steady_validation)")
         self.rollbacks, self.lr_scale = 0, 1.0
         self.healthy: str | None = None  # the newest healthy checkpoint (the rollback target)
         self._healthy_at = -1  # the step of `healthy`
@@ -105,7 +111,8 @@ class Guard(pl.Callback):
             if trainer.world_size > 1:  # every rank keeps the same files and takes the same decisions (barriers)
                 value = trainer.strategy.broadcast(float(value), src=0)
             self._validation = float(value)
-            self._keep_best(trainer, float(value))
+            if self.steady_validation:
+                self._keep_best(trainer, float(value))
             if 0 < trainer.max_steps <= trainer.global_step:  # the last validation: no round follows to act on it
                 self._end_check(trainer, pl_module)
 

@@ -204,3 +204,30 @@ def test_a_new_best_validation_keeps_the_checkpoint_it_validated_and_val_drop_ro
     again = Guard(detectors={"val_drop": {}, "non_finite": {}})
     again.load_state_dict(state)
     assert (again.best, again.best_validation) == (guard.best, guard.best_validation)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "steady"),
+    [([], True), (["env=simulated"], False), (["env=goal_reflect"], True), (["env=stepsearch"], True)],
+)
+def test_an_environment_whose_validation_moves_turns_val_drop_off(tmp_path, overrides, steady):
+    """env=simulated validates at its noise curriculum's current level (0 -> 0.5 over the run): its validations
+    fell 0.415 -> 0.590 -> 0.305 in 20 toy steps as the noise rose, and val_drop rolled back three times on a healthy
+    run (issue 55's false-positive check). The config says so (env.steady_validation) and the guard listens."""
+    from hydra.utils import instantiate
+
+    from dspo.toy.rebuild import compose_train
+
+    guard = instantiate(compose_train(overrides).guard)
+    assert guard.steady_validation is steady and ("val_drop" in guard.detectors) is steady
+    trainer_ = trainer(tmp_path, val__subem_mean=0.9)
+    trainer_.callbacks = [callback_checkpoint(tmp_path)]
+    trainer_.max_steps, trainer_.global_step, trainer_.save_checkpoint = 20, 0, lambda path: None
+    guard.on_validation_end(trainer_, Module())
+    assert (guard.best is not None) is steady  # no best target either: it would be chosen by an easier validation
+
+
+def callback_checkpoint(tmp_path):
+    from dspo.callbacks.checkpoints import RoundCheckpoint
+
+    return RoundCheckpoint(str(tmp_path))
