@@ -27,10 +27,12 @@ Everything is cached: `prepare_toy_default` reuses a world, tokenizer and model 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -251,8 +253,6 @@ def warm_start(
         return str(out)
     (out / MANIFEST).unlink(missing_ok=True)  # written last: an interrupted run never looks finished
     start = time.perf_counter()
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(tokenizer_dir)
     from transformers import AutoModelForCausalLM
@@ -315,7 +315,8 @@ def warm_start(
             config.batch_size,
         ),
     ]
-    losses = train_sft(model, stages, tokenizer.pad_token_id, config)
+    with _torch_threads(config.torch_threads):
+        losses = train_sft(model, stages, tokenizer.pad_token_id, config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     stats = {
@@ -329,6 +330,19 @@ def warm_start(
     }
     (out / MANIFEST).write_text(json.dumps({"key": key, "config": asdict(config), "stats": stats}, indent=2))
     return str(out)
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int | None) -> Iterator[None]:
+    """torch's thread count for the SFT only (None: unchanged): an engine built later in the same process (the
+    rebuild's measurement) takes its threads from torch's setting, and must measure as the shipped build did."""
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 _DEEP_SEED = 10_000  # offset of the deep demonstrations' script seed (renamed copies use seed + 1 + copy)

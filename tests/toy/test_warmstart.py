@@ -74,3 +74,18 @@ def test_warm_start_writes_loadable_cached_model(toy, tmp_path, monkeypatch) -> 
     weights = Path(out) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert warm_start(out, world, tok_dir, SMALL) == out and weights.stat().st_mtime_ns == stamp  # cached
+
+
+def test_the_sft_thread_count_is_left_out_of_the_key_and_does_not_outlive_the_sft() -> None:
+    """1 and 2 threads build the same weights bit for bit (measured: 60 + 60 SFT steps), so the shipped key holds for
+    `torch_threads=1` (the suite's background rebuild); the count is torch's again afterwards, where the rebuild's
+    in-process engine takes its threads from."""
+    import torch
+
+    from dspo.toy.warmstart import WarmStartConfig, _torch_threads, config_key
+
+    assert config_key(WarmStartConfig(torch_threads=1)) == config_key(WarmStartConfig())
+    before = torch.get_num_threads()
+    with _torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
