@@ -47,6 +47,10 @@ COMPACT = (
     "rollout.agent.max_total_tokens=420",
     "prepare.toyworld.config.agent.max_total_tokens=1024",
 )
+# env=goal_reflect: its reward pays reflections; its search tool is the simulated one (noise 0.3). With the default
+# instruction: under goal_reflect's, which the shipped warm start never saw, it searches less (0.75 calls an episode),
+# and a 2-step compact row trained no compacted episode; the environment's tool and reward are what combine
+GOAL_REFLECT = ("env=goal_reflect", "env.tools.search.noise=0.3", "env.instruction=null")
 SWITCHES: tuple[Switch, ...] = (
     Switch("staleness", "rollout.max_staleness", {"0": (), "1": ("rollout.max_staleness=1",)}),
     Switch(
@@ -68,10 +72,7 @@ SWITCHES: tuple[Switch, ...] = (
         {"built-in": (), "endpoint": ("+env.agent=openai_agent.agent",)},
         {"endpoint": (("credit", "turn"),)},
     ),
-    # the environment: env=goal_reflect (its reward pays reflections; its search tool is the simulated one, noise 0.3)
-    Switch(
-        "env", "env.reward._target_", {"search": (), "goal_reflect": ("env=goal_reflect", "env.tools.search.noise=0.3")}
-    ),
+    Switch("env", "env.reward._target_", {"search": (), "goal_reflect": GOAL_REFLECT}),
     Switch("lora", "model.lora.r", {"off": (), "r4": ("model.lora.r=4",)}),
     Switch(
         "credit",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,17 @@ from dspo.guard.rollback import restore, set_lr_scale
 log = logging.getLogger("dspo.guard")
 
 SEVERITY = {"warn": 0, "rollback": 1, "stop": 2}
+
+
+def validation_noise(trainer: pl.Trainer) -> float | None:
+    """The standard error of the difference of two `val/subem_mean` values (a mean over B benchmarks of n_b
+    questions each), at its widest (p = 0.5 in every benchmark): sqrt(2 * sum_b 0.25 / n_b) / B. None when the
+    datamodule does not say how many questions it validates on."""
+    sets = getattr(getattr(trainer, "datamodule", None), "val_sets", None) or {}
+    sizes = [len(items) for items in sets.values() if len(items)]
+    if not sizes:
+        return None
+    return math.sqrt(2 * sum(0.25 / n for n in sizes)) / len(sizes)
 
 
 class GuardStop(RuntimeError):
@@ -98,6 +110,7 @@ class Guard(pl.Callback):
         self.events: list[GuardEvent] = []
         self._round: dict[str, list[float]] = {}
         self._validation: float | None = None
+        self._validation_noise: float | None = None
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -111,6 +124,7 @@ class Guard(pl.Callback):
             if trainer.world_size > 1:  # every rank keeps the same files and takes the same decisions (barriers)
                 value = trainer.strategy.broadcast(float(value), src=0)
             self._validation = float(value)
+            self._validation_noise = validation_noise(trainer)
             if self.steady_validation:
                 self._keep_best(trainer, float(value))
             if 0 < trainer.max_steps <= trainer.global_step:  # the last validation: no round follows to act on it
@@ -166,6 +180,7 @@ class Guard(pl.Callback):
             no_search_share=logged("rollout/no_search_share"),
             searched_reward=logged("rollout/searched_reward_mean"),
             validation=validation,
+            validation_noise=self._validation_noise,
             skipped_steps=len(steps.get("skipped", [])),
         )
 
@@ -190,7 +205,8 @@ class Guard(pl.Callback):
         """The run's last validation, read by every detector (only `val_drop` and `non_finite` read it): one that
         would roll back restores its target (`_target`), whatever `max_rollbacks` says (no round follows to loop), so
         the exported model, the test stage and `last.ckpt` (written again) hold those weights, not the collapse."""
-        signals = RoundSignals(round_index=-1, step=trainer.global_step, validation=self._validation)
+        noise = self._validation_noise
+        signals = RoundSignals(-1, trainer.global_step, validation=self._validation, validation_noise=noise)
         self._validation = None
         verdicts = {name: detector.observe(signals) for name, detector in self.detectors.items()}
         fired, _ = self._agreed(trainer, verdicts)

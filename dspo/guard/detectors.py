@@ -39,6 +39,7 @@ class RoundSignals:
     no_search_share: float | None = None  # rollout/no_search_share: episodes that answered without a tool call
     searched_reward: float | None = None  # rollout/searched_reward_mean: reward of the episodes that searched
     validation: float | None = None  # val/subem_mean, when a validation ended since the last round
+    validation_noise: float | None = None  # the standard error of a difference of two such validations (None: unknown)
     skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient in this round
 
 
@@ -160,15 +161,19 @@ class RewardDrop(Detector):
 
 @register_detector("val_drop")
 class ValidationDrop(Detector):
-    """Validation (`val/subem_mean`) more than `margin` below its best so far, step 0 included.
+    """Validation (`val/subem_mean`) more than `margin` below its best so far, step 0 included, and more than `z`
+    standard errors of a difference of two validations (`RoundSignals.validation_noise`, from the validation set's
+    size): on a few dozen questions a drop of 0.25 is noise, which `margin` alone would act on.
 
     0.1 because the toy's validation set is small (its step-to-step noise is a few points) and a real collapse drops
-    it by tens of points; no warm-up: the step-0 value is a sound baseline. Score: best - latest."""
+    it by tens of points; on its 2 x 100 questions 2 standard errors are 0.10 too. No warm-up: the step-0 value is a
+    sound baseline. Score: best - latest."""
 
     @dataclass
     class Settings(DetectorSettings):
         warmup: int = 0
         margin: float = 0.1
+        z: float = 2.0
 
     def observe(self, signals: RoundSignals) -> Verdict:
         st = self.state
@@ -177,10 +182,10 @@ class ValidationDrop(Detector):
         st["last"] = signals.validation
         st["best"] = max(st.get("best", signals.validation), signals.validation)
         score = st["best"] - signals.validation
-        fired = score > self.settings.margin
-        return Verdict(
-            score, fired, f"validation {signals.validation:.3f} is {score:.3f} below its best {st['best']:.3f}"
-        )
+        bar = max(self.settings.margin, self.settings.z * (signals.validation_noise or 0.0))
+        fired = score > bar
+        reason = f"validation {signals.validation:.3f} is {score:.3f} below its best {st['best']:.3f} (bar {bar:.3f})"
+        return Verdict(score, fired, reason)
 
 
 @register_detector("entropy")

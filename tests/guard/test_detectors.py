@@ -147,3 +147,24 @@ def test_reward_drop_restarts_its_ema_after_a_rollback():
     # 31 % below: it would fire again)
     after = detector.observe(RoundSignals(2, 3, sampled_reward=0.7))
     assert after.score == pytest.approx(0.125) and not after.fired
+
+
+def test_val_drop_needs_the_drop_to_beat_the_noise_of_a_small_validation_set():
+    """2 x 8 questions: a difference of two validations has a standard error of sqrt(2 * (0.25/8 + 0.25/8)) / 2 =
+    0.177, so a 0.25 drop (2 answers of 16) is noise and 0.375 is not; at 2 x 100 the bar is the 0.1 margin."""
+    from types import SimpleNamespace
+
+    from dspo.guard.callback import validation_noise
+
+    def noise(*sizes):
+        return validation_noise(
+            SimpleNamespace(datamodule=SimpleNamespace(val_sets={i: [0] * n for i, n in enumerate(sizes)}))
+        )
+
+    assert noise(8, 8) == pytest.approx(0.1768, abs=1e-4) and noise(100, 100) == pytest.approx(0.05)
+    assert validation_noise(SimpleNamespace(datamodule=None)) is None
+    for drop, sizes, fires in ((0.25, (8, 8), False), (0.375, (8, 8), True), (0.105, (100, 100), True)):
+        detector = build_detectors({"val_drop": {}})["val_drop"]
+        detector.observe(RoundSignals(0, 0, validation=0.6, validation_noise=noise(*sizes)))
+        verdict = detector.observe(RoundSignals(1, 2, validation=0.6 - drop, validation_noise=noise(*sizes)))
+        assert verdict.fired is fires, (drop, sizes, verdict.reason)

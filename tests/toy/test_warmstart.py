@@ -79,13 +79,22 @@ def test_warm_start_writes_loadable_cached_model(toy, tmp_path, monkeypatch) -> 
 def test_the_sft_thread_count_is_left_out_of_the_key_and_does_not_outlive_the_sft() -> None:
     """1 and 2 threads build the same weights bit for bit (measured: 60 + 60 SFT steps), so the shipped key holds for
     `torch_threads=1` (the suite's background rebuild); the count is torch's again afterwards, where the rebuild's
-    in-process engine takes its threads from."""
-    import torch
+    in-process engine takes its threads from. In a fresh process: an in-process vLLM engine, which other tests of the
+    session start, pins torch's thread count for good."""
+    import subprocess
+    import sys
 
-    from dspo.toy.warmstart import WarmStartConfig, _torch_threads, config_key
+    from dspo.toy.warmstart import WarmStartConfig, config_key
 
     assert config_key(WarmStartConfig(torch_threads=1)) == config_key(WarmStartConfig())
-    before = torch.get_num_threads()
-    with _torch_threads(1):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
+    code = (
+        "import torch\n"
+        "from dspo.toy.warmstart import _torch_threads\n"
+        "torch.set_num_threads(2)\n"
+        "with _torch_threads(1):\n"
+        "    inside = torch.get_num_threads()\n"
+        "print(inside, torch.get_num_threads())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1", "2"]
