@@ -3,6 +3,7 @@
     python bench/retrieval.py                       # index mode on the HotpotQA dev corpus + 1M passages
     python bench/retrieval.py --synthetic-size 0    # HotpotQA dev corpus only
     python bench/retrieval.py --mode server --clients 50 --duration-s 300   # soak of dspo-serve on loopback
+    python bench/retrieval.py --mode server --workers 4 --index indexes/wiki18   # 4 workers over an existing index
 
 Queries/s is the best of `--repeats` passes over the 500 queries (the machine may be shared). Each (corpus, backend)
 measurement runs in a fresh child process so its peak RSS is its own; a child that exceeds
@@ -11,6 +12,8 @@ corpora it answers only as many of the 500 queries as fit in `--query-budget-s` 
 The synthetic corpus: Zipf-distributed pseudo-words (100k vocabulary, 30-70 words per passage, fixed seed);
 its queries are 6 content words (not among the 100 most frequent) drawn from 500 random passages, and "recall" is
 the share whose source passage is in the top 5.
+The soak (bench/_soak.py) serves the HotpotQA dev index it builds, or `--index DIR`, from `--workers` processes; its
+queries are the HotpotQA dev questions whatever the index. 503s (back-pressure) are counted apart from errors.
 Results are printed as a table and written as JSON: `outputs/bench/retrieval.json` in the working directory, or `--out`;
 `--update-shipped` writes the tracked `bench/results/retrieval.json` that bench/README.md quotes.
 """
@@ -19,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import random
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
 from _outputs import add_output_arguments, output_path, provenance
+from _soak import free_port, load_clients, parse_batch_mix, server_rss_mib, start_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 HOTPOTQA = REPO / "data" / "hotpotqa_dev500"  # carried by the repository (data/README.md)
@@ -182,134 +185,40 @@ def index_mode(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# Bad requests mixed into the soak, with the status the server must answer (conf/serve.yaml's default limits).
-BAD_REQUESTS: dict[str, tuple[bytes, int]] = {
-    "malformed_json": (b'{"queries": ["paris", ', 400),
-    "huge_query": (json.dumps({"queries": ["x" * 5000], "topk": 3}).encode(), 413),
-    "too_many_queries": (json.dumps({"queries": ["paris"] * 513, "topk": 3}).encode(), 413),
-    "topk_zero": (json.dumps({"queries": ["paris"], "topk": 0}).encode(), 422),
-    "topk_too_large": (json.dumps({"queries": ["paris"], "topk": 101}).encode(), 422),
-}
-
-
-def parse_batch_mix(text: str) -> dict[int, float]:
-    """`--batch-mix "1:0.6,8:0.25,512:0.15"` -> {queries per request: share of good requests}."""
-    try:
-        mix = {int(size): float(share) for size, share in (item.split(":") for item in text.split(","))}
-    except ValueError:
-        raise SystemExit(f"--batch-mix: expected SIZE:SHARE,SIZE:SHARE,..., got {text!r}") from None
-    if not mix or any(size < 1 or size > 512 or share <= 0 for size, share in mix.items()):
-        raise SystemExit(f"--batch-mix: sizes must be in 1..512 (serve.yaml's max_queries), shares > 0: {text!r}")
-    return mix
-
-
-async def load_clients(
-    url: str, queries: list[str], clients: int, duration_s: float, batch_mix: dict[int, float], bad_share: float
-) -> dict:
-    """`clients` concurrent loops posting to `url` (loopback only) until `duration_s` has passed. A share `bad_share`
-    of the requests are bad ones (BAD_REQUESTS) that must get their 4xx; the rest draw their size from `batch_mix`."""
-    import httpx
-
-    if not url.startswith("http://127.0.0.1:"):
-        raise ValueError(f"the load generator only targets loopback, got {url}")
-    latencies: dict[int, list[float]] = {size: [] for size in batch_mix}
-    bad_answered: dict[str, int] = dict.fromkeys(BAD_REQUESTS, 0)
-    errors: list[str] = []
-    sizes, weights = list(batch_mix), list(batch_mix.values())
-    deadline = time.perf_counter() + duration_s
-
-    async def client(seed: int, http: httpx.AsyncClient) -> None:
-        rng = random.Random(seed)
-        while time.perf_counter() < deadline:
-            if rng.random() < bad_share:
-                kind = rng.choice(list(BAD_REQUESTS))
-                body, status = BAD_REQUESTS[kind]
-                try:
-                    response = await http.post(url, content=body, headers={"content-type": "application/json"})
-                    if response.status_code == status and "error" in response.json():
-                        bad_answered[kind] += 1
-                    else:
-                        errors.append(f"{kind}: HTTP {response.status_code} (expected {status})")
-                except Exception as err:  # noqa: BLE001 - every failure counts as an error here
-                    errors.append(f"{kind}: {type(err).__name__}")
-                continue
-            size = rng.choices(sizes, weights)[0]
-            body = {"queries": rng.choices(queries, k=size), "topk": 5, "return_scores": True}
-            start = time.perf_counter()
-            try:
-                response = await http.post(url, json=body)
-                if response.status_code != 200 or len(response.json()["result"]) != size:
-                    errors.append(f"HTTP {response.status_code}")
-                    continue
-            except Exception as err:  # noqa: BLE001 - every failure counts as an error here
-                errors.append(type(err).__name__)
-                continue
-            latencies[size].append(time.perf_counter() - start)
-
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=60.0, limits=limits) as http:
-        # the loops stop at the deadline; the guard ends requests stuck past it (a hung server)
-        await asyncio.wait_for(asyncio.gather(*(client(i, http) for i in range(clients))), duration_s + 120)
-    elapsed = time.perf_counter() - start
-
-    def pct(values: list[float], p: float) -> float:
-        values = sorted(values)
-        return round(1000 * values[min(len(values) - 1, int(p * len(values)))], 1) if values else -1.0
-
-    every = [x for values in latencies.values() for x in values]
-    return {
-        "clients": clients,
-        "duration_s": round(elapsed, 1),
-        "batch_mix": batch_mix,
-        "requests": len(every),
-        "requests_per_s": round(len(every) / elapsed, 1),
-        "queries_per_s": round(sum(size * len(v) for size, v in latencies.items()) / elapsed, 1),
-        "p50_ms": pct(every, 0.50),
-        "p99_ms": pct(every, 0.99),
-        "by_batch_size": {
-            size: {"requests": len(v), "p50_ms": pct(v, 0.50), "p99_ms": pct(v, 0.99)} for size, v in latencies.items()
-        },
-        "bad_requests_answered_4xx": bad_answered,
-        "errors": len(errors),
-        "error_kinds": sorted(set(errors)),
-    }
-
-
 def server_mode(args: argparse.Namespace) -> dict:
-    """Soak: a real dspo-serve subprocess under `--clients` loopback clients for `--duration-s`; the server's RSS is
-    sampled every 5 s (start = after one warm-up request of each size)."""
+    """Soak: a real dspo-serve subprocess (`--workers` processes, over `--index` or the HotpotQA dev index) under
+    `--clients` loopback clients for `--duration-s`; the server's RSS (summed over its processes) is sampled every 5 s
+    (start = after one warm-up request of each size)."""
     import httpx
-    import psutil
 
-    from dspo.search.bm25 import build_or_load_index
+    from dspo.search.bm25 import build_or_load_index, read_manifest
 
     _, queries, _ = shared_workload()
     batch_mix = parse_batch_mix(args.batch_mix)
+    if args.workers < 1:
+        raise SystemExit(f"--workers must be >= 1, got {args.workers}")
+    if args.index is not None and read_manifest(args.index) is None:
+        raise SystemExit(f"--index {args.index}: no dspo index there (manifest.json); build one with dspo-index")
     with tempfile.TemporaryDirectory() as tmp:
-        build_or_load_index(HOTPOTQA / "corpus.jsonl.gz", Path(tmp) / "ix", show_progress=False)
+        index = args.index
+        if index is None:
+            index = Path(tmp) / "ix"
+            build_or_load_index(HOTPOTQA / "corpus.jsonl.gz", index, show_progress=False)
         port = free_port()
-        code = "from dspo.search.cli import serve_main; serve_main()"
-        server = subprocess.Popen([sys.executable, "-c", code, f"index={Path(tmp) / 'ix'}", f"port={port}"])
+        server = start_server(index, port, args.workers)
         try:
-            wait_healthy(f"http://127.0.0.1:{port}/health", server)
+            wait_healthy(f"http://127.0.0.1:{port}/health", server, timeout_s=args.load_timeout_s)
             url = f"http://127.0.0.1:{port}/retrieve"
             for size in batch_mix:
                 httpx.post(url, json={"queries": queries[:size], "topk": 5}, timeout=60.0).raise_for_status()
-            process = psutil.Process(server.pid)
-            rss = [process.memory_info().rss / 2**20]
+            first, processes = server_rss_mib(server.pid)
+            rss = [first]
 
             async def run() -> dict:
                 async def sample() -> None:
                     while True:
                         await asyncio.sleep(5.0)
-                        rss.append(process.memory_info().rss / 2**20)
+                        rss.append(server_rss_mib(server.pid)[0])
 
                 sampler = asyncio.create_task(sample())
                 try:
@@ -318,11 +227,16 @@ def server_mode(args: argparse.Namespace) -> dict:
                     sampler.cancel()
 
             row = asyncio.run(run())
-            rss.append(process.memory_info().rss / 2**20)
+            rss.append(server_rss_mib(server.pid)[0])
             row["server_alive_after"] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
         finally:
             server.terminate()
-            server.wait(timeout=30)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(timeout=60)  # the workers' graceful shutdown answers what is in flight
+            server.kill()
+            server.wait()
+    row["workers"], row["server_processes"] = args.workers, processes
+    row["index"] = str(args.index) if args.index is not None else "hotpotqa_dev500 (built)"
     half = rss[len(rss) // 2]  # a leak keeps growing in the second half; allocator warm-up levels off in the first
     row["server_rss_mib"] = {
         "start": round(rss[0], 1),
@@ -332,10 +246,13 @@ def server_mode(args: argparse.Namespace) -> dict:
         "every_5s": [round(x, 1) for x in rss],
     }
     row["load_average_1m_end"] = round(os.getloadavg()[0], 2)
-    print(f"\nserver soak: {row['clients']} clients x {row['duration_s']}s, batch mix {batch_mix}")
+    print(
+        f"\nserver soak: {row['clients']} clients x {row['duration_s']}s, batch mix {batch_mix}, "
+        f"{args.workers} worker(s), index {row['index']}"
+    )
     print(
         f"  requests/s {row['requests_per_s']}  queries/s {row['queries_per_s']}  p50 {row['p50_ms']} ms  "
-        f"p99 {row['p99_ms']} ms  errors {row['errors']} {row['error_kinds']}"
+        f"p99 {row['p99_ms']} ms  errors {row['errors']} {row['error_kinds']}  503 (busy) {row['rejected_503']}"
     )
     for size, stats in row["by_batch_size"].items():
         latency = f"p50 {stats['p50_ms']} ms  p99 {stats['p99_ms']} ms"
@@ -344,22 +261,6 @@ def server_mode(args: argparse.Namespace) -> dict:
     memory = {k: v for k, v in row["server_rss_mib"].items() if k != "every_5s"}
     print(f"  server RSS MiB: {memory}  (samples every 5 s: {len(rss)}, all in the JSON)")
     return row
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dspo-serve exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"dspo-serve not healthy at {url} after {timeout_s}s")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -377,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch-mix", default="1:0.6,8:0.25,64:0.12,512:0.03", help="SIZE:SHARE of the good requests (max 512)"
     )
     parser.add_argument("--bad-share", type=float, default=0.05, help="share of bad requests (each must get its 4xx)")
+    parser.add_argument("--workers", type=int, default=1, help="dspo-serve workers=N (processes on one port)")
+    parser.add_argument("--index", type=Path, default=None, help="serve this index directory (default: build one)")
+    parser.add_argument("--load-timeout-s", type=float, default=600.0, help="wait this long for the server's /health")
     add_output_arguments(parser, "retrieval.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -52,17 +52,21 @@ def run_serve(cfg: DictConfig) -> None:
     """Load (or build) the index of a serve config and serve it until interrupted."""
     from dspo.search.bm25 import load_retriever
     from dspo.search.server import serve
+    from dspo.search.workers import check_workers
 
+    workers = check_workers(cfg.workers)  # the config's mistakes fail before the (possibly minutes long) load
+    limits = instantiate(cfg.limits)
     start = time.perf_counter()
     retriever = load_retriever(str(cfg.index), corpus=cfg.corpus, backend=cfg.backend, mmap=bool(cfg.mmap))
-    limits = instantiate(cfg.limits)
     print(
         f"[dspo-serve] loaded {retriever.backend} index {cfg.index} ({len(retriever):,} passages) in "
-        f"{time.perf_counter() - start:.1f}s; serving POST http://{cfg.host}:{cfg.port}/retrieve and GET /health",
+        f"{time.perf_counter() - start:.1f}s; serving POST http://{cfg.host}:{cfg.port}/retrieve and GET /health "
+        f"from {workers} worker process{'es' if workers > 1 else ''}",
         flush=True,
     )
     serve(
         retriever,
+        workers=workers,
         host=str(cfg.host),
         port=int(cfg.port),
         limits=limits,
@@ -82,7 +86,7 @@ def index_main(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="serve", version_base="1.3")
 def serve_main(cfg: DictConfig) -> None:
-    """`dspo-serve index=DIR [host=127.0.0.1] [port=8000]`."""
+    """`dspo-serve index=DIR [host=127.0.0.1] [port=8000] [workers=1]`."""
     from dspo.errors import user_errors
 
     with user_errors("dspo-serve", "dspo-serve index=outputs/index port=8000   (an index written by dspo-index)"):

@@ -6,7 +6,9 @@ on a slow server do not all resend their batch at the same moment) until `max_wa
 failure, so a training run outlives a restart of the service (a 21M-passage index takes minutes to load). Each wait
 is logged as a warning naming the URL and counted in `retries`. A 4xx is the caller's fault and fails at once with
 the server's message. When the service stays unreachable for the whole window, `RetrieverUnavailableError` names
-the URL and how to start a server.
+the URL and how to start a server. A 503 with `Retry-After` (dspo-serve's back-pressure: too many requests pending)
+is honoured: the wait is at least that long (capped at `max_backoff_s`), and a replica that sent it is skipped for
+that long rather than `cooldown_s` (it is busy, not down).
 
 Replicas (`url` a list, e.g. one `dspo-serve` per node): requests go round robin over the replicas, from a random
 starting one per client so that ranks do not all start on the first. A replica that fails is skipped for `cooldown_s`
@@ -23,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from email.utils import parsedate_to_datetime
 
 import httpx
 
@@ -43,6 +46,21 @@ def backoff_sleep(
     capped at max_backoff_s; never past the `remaining_s` of the max_wait_s window."""
     ceiling = min(backoff_s * 2 ** min(attempt, 30), max_backoff_s)
     return min(uniform(ceiling / 2, ceiling), remaining_s)
+
+
+def retry_after_s(response: httpx.Response | None) -> float | None:
+    """The `Retry-After` of a 503 in seconds (delta-seconds or an HTTP date), None without one or when unreadable."""
+    value = response.headers.get("retry-after") if response is not None and response.status_code == 503 else None
+    if value is None:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 class RetrieverUnavailableError(ToolUnavailableError):
@@ -180,7 +198,8 @@ class RemoteRetriever:
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
             waited = now - first_failure
-            if self._mark_down(url, now, tried):  # another replica is up: send it there now
+            busy_s = retry_after_s(response)  # the server's own word on when to come back
+            if self._mark_down(url, now, tried, busy_s):  # another replica is up: send it there now
                 self._count_retry()
                 log.warning(
                     "retriever %s: %s; sending to the next of %d replicas (this one is skipped for "
@@ -194,6 +213,8 @@ class RemoteRetriever:
             if waited >= self.max_wait_s:
                 raise RetrieverUnavailableError(self._unavailable(errors, waited, attempts))
             sleep = backoff_sleep(waits, self.backoff_s, self.max_backoff_s, self.max_wait_s - waited)
+            if busy_s is not None:  # no sooner than Retry-After, within max_backoff_s and the max_wait_s window
+                sleep = max(sleep, min(busy_s, self.max_backoff_s, self.max_wait_s - waited))
             waits += 1
             self._count_retry()
             log.warning(
@@ -239,10 +260,11 @@ class RemoteRetriever:
             self._next = (self.urls.index(url) + 1) % n
             return url
 
-    def _mark_down(self, url: str, now: float, tried: set[str]) -> bool:
-        """Start `url`'s cooldown; True when a replica not yet `tried` is not cooling down (somewhere to fail over)."""
+    def _mark_down(self, url: str, now: float, tried: set[str], busy_s: float | None = None) -> bool:
+        """Start `url`'s cooldown (`cooldown_s`, or the shorter Retry-After `busy_s` of a busy replica); True when a
+        replica not yet `tried` is not cooling down (somewhere to fail over)."""
         with self._lock:
-            self._down_until[url] = now + self.cooldown_s
+            self._down_until[url] = now + (self.cooldown_s if busy_s is None else min(busy_s, self.cooldown_s))
             return any(u not in tried and self._down_until.get(u, 0.0) <= now for u in self.urls)
 
     def _mark_up(self, url: str) -> None:

@@ -2,18 +2,26 @@
 
     POST /retrieve  {"queries": ["...", ...], "topk": 3, "return_scores": true}
       -> {"result": [[{"document": {"id": "...", "contents": "\\"Title\\"\\ntext"}, "score": 12.3}, ...], ...]}
-    GET  /health    -> {"status": "ok", "num_passages": N}
+    GET  /health    -> {"status": "ok", "num_passages": N, "index_digest": ..., "backend": ..., "cache": {...} | null,
+                        "pending": n, "max_pending": m, "pid": worker pid}
 
 Departure from Search-R1's server: with `return_scores: false` each hit is still `{"document": {...}}` (just without
 `score`) instead of the bare document, so a response has one shape; dspo's client reads both shapes. Requests are
 validated by hand (not by a pydantic model) so that every bad request gets a 4xx with a one-line message: 400 for a
 body that is not JSON, 422 for a JSON body with wrong fields, 413 for too many or too long queries.
 All queries of one request are searched as one batch, in a worker thread so the event loop keeps serving.
+
+Back-pressure: at most `limits.max_pending` /retrieve requests are admitted (being read, waiting for a thread or
+searched) per server process; one more gets 503 with `Retry-After: limits.retry_after_s` and `{"error": ...}` at once,
+so an overloaded server sheds load (clients back off, or fail over to a replica) instead of queueing without bound
+until every queued request times out on its client. /health is never refused: it is how one tells "busy" from "down".
+Several processes over one index: dspo/search/workers.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,12 +38,26 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask for. `default_topk` applies when the request has no `topk` (Search-R1 uses 3)."""
+    """What one request may ask for. `default_topk` applies when the request has no `topk` (Search-R1 uses 3).
+
+    `max_pending`: /retrieve requests admitted at once per server process (more get 503). 64: the 50-client soak
+    (bench/retrieval.py) never reaches it on one process, anyio's 40 search threads stay busy with a queue behind them,
+    and 64 requests of the largest size (512 queries) take ~13 s at the measured 2,454 queries/s, under the client's
+    default 30 s timeout_s, so an admitted request is answered before its client gives up on it.
+    `retry_after_s`: the `Retry-After` (whole seconds) of such a 503."""
 
     max_queries: int = 512
     max_query_chars: int = 4096
     max_topk: int = 100
     default_topk: int = 3
+    max_pending: int = 64
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for key, low in (("max_pending", 1), ("retry_after_s", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"limits.{key} must be an integer >= {low}, got {value!r}; set limits.{key}=...")
 
 
 class BadRequest(Exception):
@@ -96,6 +118,13 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None) -> Fast
     limits = limits or ServerLimits()
     app = FastAPI(title="dspo retrieval", docs_url=None, redoc_url=None)
     num_passages = len(retriever) if hasattr(retriever, "__len__") else None
+    # fixed for the index's life: read once (in the parent, before workers fork, when there are several)
+    digest, backend = getattr(retriever, "digest", None), getattr(retriever, "backend", None)
+    cache_stats = getattr(retriever, "cache_stats", None)
+    # Admitted /retrieve requests of this process. Only the event loop's thread touches it (the handlers are
+    # coroutines; the search itself runs in a thread but does not count), so a plain int needs no lock.
+    pending = 0
+    busy_headers = {"Retry-After": str(limits.retry_after_s)}
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -103,13 +132,33 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None) -> Fast
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "num_passages": num_passages}
+        return {
+            "status": "ok",
+            "num_passages": num_passages,
+            "index_digest": digest,
+            "backend": backend,
+            "cache": cache_stats() if callable(cache_stats) else None,
+            "pending": pending,
+            "max_pending": limits.max_pending,
+            "pid": os.getpid(),  # which worker answered (dspo-serve workers=N)
+        }
 
-    @app.post("/retrieve")
-    async def retrieve(request: Request) -> dict:
-        queries, topk, return_scores = parse_request(await request.body(), limits)
-        results = await run_in_threadpool(retriever.search, queries, topk)
-        return {"result": [format_hits(hits, return_scores) for hits in results]}
+    @app.post("/retrieve", response_model=None)
+    async def retrieve(request: Request) -> dict | JSONResponse:
+        nonlocal pending
+        if pending >= limits.max_pending:  # refuse before reading the body: shedding load must cost little
+            message = (
+                f"server busy: {pending} requests pending (limits.max_pending={limits.max_pending} per worker); "
+                f"retry after {limits.retry_after_s}s, or serve with more workers= or replicas"
+            )
+            return JSONResponse(status_code=503, content={"error": message}, headers=busy_headers)
+        pending += 1
+        try:
+            queries, topk, return_scores = parse_request(await request.body(), limits)
+            results = await run_in_threadpool(retriever.search, queries, topk)
+            return {"result": [format_hits(hits, return_scores) for hits in results]}
+        finally:
+            pending -= 1
 
     return app
 
@@ -133,8 +182,16 @@ def server_config(
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s)
 
 
-def serve(retriever: Retriever, **config: Any) -> None:
-    """Run the service in the foreground until interrupted (Ctrl-C); `config`: `server_config`'s keywords."""
+def serve(retriever: Retriever, workers: int = 1, **config: Any) -> None:
+    """Run the service in the foreground until interrupted (Ctrl-C or SIGTERM); `config`: `server_config`'s keywords.
+    `workers` > 1: that many processes on one socket, supervised by this one (dspo/search/workers.py)."""
     import uvicorn
 
-    uvicorn.Server(server_config(retriever, **config)).run()
+    from dspo.search.workers import check_workers, serve_workers
+
+    check_workers(workers)
+    uvicorn_config = server_config(retriever, **config)
+    if workers == 1:  # one process, uvicorn binding the port itself, as before workers existed
+        uvicorn.Server(uvicorn_config).run()
+    else:
+        serve_workers(uvicorn_config, workers)

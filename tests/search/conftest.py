@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -28,13 +29,14 @@ def tiny_index() -> BM25Index:
     return BM25Index.build(TINY, show_progress=False)
 
 
-@pytest.fixture(scope="module")
-def server_url(tiny_index: BM25Index) -> Iterator[str]:
-    """Serve `tiny_index` from a background thread; the socket is bound first so the port is known and free."""
+@contextlib.contextmanager
+def serve_app(app: object) -> Iterator[str]:
+    """Serve an ASGI app from a background thread on an ephemeral loopback port (bound first, so it is known and
+    free); yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(tiny_index, LIMITS), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -42,10 +44,25 @@ def server_url(tiny_index: BM25Index) -> Iterator[str]:
         if time.monotonic() > deadline:
             raise RuntimeError("test server did not start within 10 s")
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture
+def app_server():
+    """`with app_server(app) as url:` serves an ASGI app (serve_app) for the block."""
+    return serve_app
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_index: BM25Index) -> Iterator[str]:
+    """Serve `tiny_index` from a background thread."""
+    with serve_app(create_app(tiny_index, LIMITS)) as url:
+        yield url
 
 
 @pytest.fixture

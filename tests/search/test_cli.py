@@ -1,8 +1,11 @@
-"""`dspo-index` and `dspo-serve` as a user runs them (subprocesses through the Hydra entry points)."""
+"""`dspo-index` and `dspo-serve` as a user runs them (subprocesses through the Hydra entry points), `workers=N`
+included."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -98,3 +101,108 @@ def test_the_retrieval_commands_start_without_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]"
+
+
+def _start_serve(tmp_path: Path, corpus: Path, port: int, *overrides: str) -> subprocess.Popen:
+    """`dspo-serve` over the tiny corpus on loopback, in its own session; returns once /health answers."""
+    code = "from dspo.search.cli import serve_main; serve_main()"
+    args = [f"index={tmp_path / 'ix'}", f"corpus={corpus}", f"port={port}", *overrides]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"dspo-serve did not come up: {proc.communicate(timeout=30)[0]}")
+        time.sleep(0.2)
+
+
+def _children(pid: int, count: int, timeout_s: float = 10.0) -> set[int]:
+    """The pids of process `pid`'s `count` children (forked one after the other: wait for the last)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while len(pids := {child.pid for child in psutil.Process(pid).children()}) < count:
+        assert time.monotonic() < deadline, f"{pids} after {timeout_s}s, expected {count} workers"
+        time.sleep(0.05)
+    assert len(pids) == count, pids
+    return pids
+
+
+def _worker_pids(url: str, want: int, timeout_s: float = 30.0) -> set[int]:
+    """The pids that answer /health (a new connection each time) until `want` distinct ones have answered."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(pids) < want and time.monotonic() < deadline:
+        pids.add(httpx.get(f"{url}/health", timeout=5).json()["pid"])
+    return pids
+
+
+def test_dspo_serve_workers_share_one_port_and_stop_on_sigterm(tmp_path: Path, corpus: Path, dead_port: int) -> None:
+    import psutil
+
+    proc = _start_serve(tmp_path, corpus, dead_port, "workers=2")
+    try:
+        url = f"http://127.0.0.1:{dead_port}"
+        workers = _children(proc.pid, 2)
+        assert _worker_pids(url, 2) == workers  # both forked workers answer on the one port; the parent does not
+        body = {"queries": ["capital of France"], "topk": 1}
+        assert all(
+            httpx.post(f"{url}/retrieve", json=body).json()["result"][0][0]["document"]["id"] == "a" for _ in "ab"
+        )
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "from 2 worker processes" in out and "2 workers (pids" in out
+    assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_dspo_serve_workers_die_with_a_killed_parent(tmp_path: Path, corpus: Path, dead_port: int) -> None:
+    """Even when the parent is SIGKILLed (no chance to forward anything), no worker lingers holding the port."""
+    import psutil
+
+    proc = _start_serve(tmp_path, corpus, dead_port, "workers=2")
+    workers = [psutil.Process(pid) for pid in _children(proc.pid, 2)]
+    proc.kill()
+    proc.communicate(timeout=30)
+    try:
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive
+    finally:
+        for worker in workers:
+            if worker.is_running():
+                worker.kill()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("workers=0", "workers must be an integer >= 1"),
+        ("workers=-1", "workers must be an integer >= 1"),
+        ("workers=two", "workers must be an integer >= 1"),
+        ("limits.max_pending=0", "limits.max_pending must be an integer >= 1"),
+        ("limits.retry_after_s=-1", "limits.retry_after_s must be an integer >= 0"),
+    ],
+)
+def test_dspo_serve_refuses_bad_settings_before_loading(tmp_path: Path, override: str, message: str) -> None:
+    done = run_cli("serve_main", f"index={tmp_path / 'missing'}", override, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    key = override.split("=")[0]
+    assert message in done.stderr and f"{key}=" in done.stderr.split(message)[1]  # says what to set
+    assert "missing" not in done.stderr  # refused before the index was looked for

@@ -202,3 +202,39 @@ def test_client_validates_its_arguments() -> None:
         RemoteRetriever(max_wait_s=-1)
     with pytest.raises(ValueError, match="backoff_s <= max_backoff_s"):
         RemoteRetriever(backoff_s=5.0, max_backoff_s=1.0)
+
+
+def _busy_then_ok(busy: int, retry_after: str) -> httpx.MockTransport:
+    """`busy` answers 503 with `Retry-After: retry_after` (dspo-serve's back-pressure), then hits."""
+    answers = [httpx.Response(503, headers={"Retry-After": retry_after}, json={"error": "server busy"})] * busy
+    hit = {"document": {"id": "1", "contents": '"T"\nbody'}, "score": 1.0}
+    return httpx.MockTransport(
+        lambda request: answers.pop(0) if answers else httpx.Response(200, json={"result": [[hit]]})
+    )
+
+
+@pytest.mark.parametrize(("max_backoff_s", "expected"), [(10.0, 3.0), (2.0, 2.0)])
+def test_a_busy_server_is_retried_no_sooner_than_its_retry_after(monkeypatch, max_backoff_s, expected) -> None:
+    """503 + Retry-After: 3 is a lower bound of the wait (backoff alone would wait 0.05-0.2 s), capped by
+    max_backoff_s."""
+    slept: list[float] = []
+    monkeypatch.setattr("dspo.search.client.time.sleep", slept.append)
+    client = RemoteRetriever(
+        "http://search.test/retrieve", backoff_s=0.1, max_backoff_s=max_backoff_s, transport=_busy_then_ok(2, "3")
+    )
+    assert client.search(["q"], 1)[0][0].id == "1"
+    assert slept == [expected, expected] and client.retries == 2
+
+
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    from email.utils import formatdate
+
+    from dspo.search.client import retry_after_s
+
+    def busy(value: str, status: int = 503) -> httpx.Response:
+        return httpx.Response(status, headers={"Retry-After": value})
+
+    assert retry_after_s(busy("2")) == 2.0 and retry_after_s(busy("-4")) == 0.0
+    assert 8.0 <= retry_after_s(busy(formatdate(time.time() + 10, usegmt=True))) <= 10.0
+    assert retry_after_s(busy("soon")) is None and retry_after_s(busy("2", status=500)) is None
+    assert retry_after_s(httpx.Response(503)) is None and retry_after_s(None) is None

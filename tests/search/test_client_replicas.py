@@ -1,5 +1,6 @@
 """RemoteRetriever over several replicas (`retriever.url` a list): round robin, failover with a cooldown and re-probe,
-the all-down wait of one service, and a real outage of one of two `dspo-serve` processes."""
+the all-down wait of one service, a busy replica's Retry-After, a replica slower than the client's timeout, and a real
+outage of one of two `dspo-serve` processes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dspo.search.client import RemoteRetriever, RetrieverUnavailableError, replica_urls
+from dspo.search.server import create_app
 
 A, B = "http://a.test/retrieve", "http://b.test/retrieve"
 HIT = {"document": {"id": "1", "contents": '"T"\nbody'}, "score": 1.0}
@@ -199,3 +202,62 @@ def test_two_dspo_serve_replicas_one_killed_mid_run_and_restarted(tiny_index, tm
     finally:
         for server in servers:
             _kill(server)
+
+
+def test_a_busy_replica_is_skipped_for_its_retry_after_not_the_whole_cooldown(clock) -> None:
+    """dspo-serve's 503 + Retry-After means busy, not down: back in the rotation after 1 s, not cooldown_s=30."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        seen.append(host)
+        if host == "a.test" and seen.count("a.test") == 1:
+            return httpx.Response(503, headers={"Retry-After": "1"}, json={"error": "server busy"})
+        return httpx.Response(200, json={"result": [[{**HIT, "document": {**HIT["document"], "id": host}}]]})
+
+    client = RemoteRetriever([A, B], transport=httpx.MockTransport(handler), cooldown_s=30.0)
+    client._next = 0  # start at a.test
+    assert client.search(["q"], 1)[0][0].id == "b.test" and client.retries == 1  # failover at once
+    clock[0] += 2
+    assert sorted(client.search(["q"], 1)[0][0].id for _ in range(2)) == ["a.test", "b.test"]
+
+
+class SlowRetriever:
+    """Answers only once `release` is set (the test sets it at the end): longer than any client timeout here."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def search(self, queries: list[str], k: int) -> list:
+        self.release.wait(timeout=30)
+        return [[] for _ in queries]
+
+
+def test_a_replica_slower_than_timeout_s_counts_as_failed_and_the_other_answers(tiny_index, app_server) -> None:
+    """A client-side read timeout is a failed try: the call goes to the other replica at once and succeeds; when
+    every replica is that slow, the call fails with RetrieverUnavailableError after max_wait_s (the round's fault)."""
+    slow, slower = SlowRetriever(), SlowRetriever()
+    try:
+        with (
+            app_server(create_app(slow)) as slow_url,
+            app_server(create_app(tiny_index)) as fast_url,
+            app_server(create_app(slower)) as slower_url,
+        ):
+            urls = [f"{slow_url}/retrieve", f"{fast_url}/retrieve"]
+            client = RemoteRetriever(urls, timeout_s=0.5, max_wait_s=30.0, backoff_s=0.05, max_backoff_s=0.1)
+            client._next = 0  # the slow one first
+            start = time.monotonic()
+            assert client.search(["capital of France"], 2) == tiny_index.search(["capital of France"], 2)
+            assert client.retries == 1 and 0.5 <= time.monotonic() - start < 5  # one timeout, then the fast one
+            both_slow = RemoteRetriever(
+                [f"{slow_url}/retrieve", f"{slower_url}/retrieve"],
+                timeout_s=0.3, max_wait_s=1.0, backoff_s=0.05, max_backoff_s=0.1,
+            )  # fmt: skip
+            with pytest.raises(RetrieverUnavailableError, match="ReadTimeout") as info:
+                both_slow.search(["capital of France"], 2)
+            assert all(url in str(info.value) for url in both_slow.urls) and time.monotonic() - start < 10
+            slow.release.set()
+            slower.release.set()
+    finally:
+        slow.release.set()
+        slower.release.set()

@@ -1,19 +1,98 @@
-"""The retrieval service on loopback: Search-R1's happy path and a 4xx (never 500) for every bad request."""
+"""The retrieval service on loopback: Search-R1's happy path, a 4xx (never 500) for every bad request, 503 with
+Retry-After when too many requests are pending, and /health's report of the index."""
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 
 import httpx
 import pytest
 
-from dspo.search.server import BadRequest, ServerLimits, parse_request, server_config
+from dspo.search.server import BadRequest, ServerLimits, create_app, parse_request, server_config
+from dspo.types import Passage
 
 
-def test_health(server_url: str) -> None:
+def test_health(server_url: str, tiny_index) -> None:
     response = httpx.get(f"{server_url}/health")
     assert response.status_code == 200
-    assert response.json() == {"status": "ok", "num_passages": 4}
+    body = response.json()
+    assert (body["status"], body["num_passages"]) == ("ok", 4)  # as before (Search-R1 tools read these)
+    assert body["backend"] == "bm25s" and body["index_digest"] == getattr(tiny_index, "digest", None)
+    assert body["pending"] == 0 and body["max_pending"] == 64 and body["pid"] == os.getpid()
+    assert body["cache"] == (tiny_index.cache_stats() if hasattr(tiny_index, "cache_stats") else None)
+
+
+class GatedRetriever:
+    """A retriever whose search waits until `release` is set; `entered` is set once a search has started. With
+    the identity and cache statistics /health reports."""
+
+    backend = "gated"
+    digest = "sha256:0123abcd"
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return 7
+
+    def cache_stats(self) -> dict:
+        return {"hits": 3, "misses": self.calls}
+
+    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(timeout=30), "the test never released the search"
+        return [[Passage("g", "Gate", q, 1.0)] for q in queries]
+
+
+def test_a_full_server_answers_503_with_retry_after_at_once_then_serves_again(app_server) -> None:
+    retriever = GatedRetriever()
+    limits = ServerLimits(max_pending=1, retry_after_s=7)
+    with app_server(create_app(retriever, limits)) as url:
+        first: list[httpx.Response] = []
+        slow = threading.Thread(target=lambda: first.append(httpx.post(f"{url}/retrieve", json={"queries": ["a"]})))
+        slow.start()
+        assert retriever.entered.wait(timeout=10)  # one request is being searched: the server is full
+        try:
+            busy = httpx.post(f"{url}/retrieve", json={"queries": ["b"]}, timeout=5.0)  # not queued: answered now
+            health = httpx.get(f"{url}/health", timeout=5.0).json()  # never refused
+        finally:
+            retriever.release.set()
+            slow.join(timeout=10)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "7"
+        assert "limits.max_pending=1" in busy.json()["error"] and retriever.calls == 1
+        assert health == {
+            "status": "ok",
+            "num_passages": 7,
+            "index_digest": "sha256:0123abcd",
+            "backend": "gated",
+            "cache": {"hits": 3, "misses": 1},
+            "pending": 1,
+            "max_pending": 1,
+            "pid": os.getpid(),
+        }
+        assert first[0].status_code == 200 and first[0].json()["result"][0][0]["document"]["id"] == "g"
+        again = httpx.post(f"{url}/retrieve", json={"queries": ["c"]}, timeout=5.0)  # the slot was given back
+        assert again.status_code == 200 and httpx.get(f"{url}/health").json()["pending"] == 0
+
+
+def test_bad_requests_give_their_slot_back(app_server) -> None:
+    """A refused request (4xx) leaves the pending count as it found it, or a limit of 1 would lock the server."""
+    retriever = GatedRetriever()
+    retriever.release.set()
+    with app_server(create_app(retriever, ServerLimits(max_pending=1))) as url:
+        for _ in range(3):
+            assert httpx.post(f"{url}/retrieve", content=b"{").status_code == 400
+        assert httpx.post(f"{url}/retrieve", json={"queries": ["x"]}).status_code == 200
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_pending", 0), ("max_pending", True), ("retry_after_s", -1)])
+def test_limits_refuse_bad_back_pressure_settings(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"limits.{key} must be an integer"):
+        ServerLimits(**{key: value})
 
 
 def test_retrieve_with_scores(server_url: str) -> None:
