@@ -38,6 +38,7 @@ STAMPS: dict[str, Callable[[dict], list[dict]]] = {
             "frameworks.json",
             "lora.json",
             "lora_push.json",
+            "lucene_agreement.json",
         )
     },
 }
@@ -49,6 +50,14 @@ def data(name: str) -> dict:
 
 def qps(d: dict, corpus: str, backend: str) -> float:
     return next(r["qps"] for r in d["index"] if r["corpus"] == corpus and r["backend"] == backend)
+
+
+def agreement(corpus: str, backend: str, k1: float, key: str) -> Callable[[dict], float]:
+    def figure(d: dict) -> float:
+        row = next(r for r in d["rows"] if (r["corpus"], r["backend"], r["k1"]) == (corpus, backend, k1))
+        return row[key]
+
+    return figure
 
 
 def step(layout: str, key: str, scale: float = 1.0) -> Callable[[dict], float]:
@@ -209,6 +218,27 @@ for name, row, ms, overhead in FRAMEWORK_ROWS:
     CITED.append(("docs/agents.md", row, ms, "frameworks.json", framework(name)))
     if overhead is not None:
         CITED.append(("docs/agents.md", row, overhead, "frameworks.json", framework(name, "overhead_ms_per_call")))
+
+
+# bench/README.md's Lucene agreement table: (corpus, backend, k1, the row's cells from `questions` on)
+LUCENE_SETTING = {1.2: "1.2, 0.75 (Lucene default)", 0.9: "0.9, 0.4 (pyserini default)"}
+LUCENE_ROWS = [
+    ("hotpotqa_dev500", "bm25s", 1.2, "500 | 0.987 | 0.942 | 0.654 | 0.654 | 29: 29 / 0 / 0 | 1.000 |"),
+    ("hotpotqa_dev500", "rank_bm25", 1.2, "500 | 0.987 | 0.942 | 0.654 | 0.654 | 29: 29 / 0 / 0 | 1.000 |"),
+    ("hotpotqa_dev500", "bm25s", 0.9, "500 | 0.990 | 0.946 | 0.649 | 0.647 | 27: 27 / 0 / 0 | 1.000 |"),
+    ("hotpotqa_dev500", "rank_bm25", 0.9, "500 | 0.990 | 0.946 | 0.649 | 0.647 | 27: 27 / 0 / 0 | 1.000 |"),
+    ("toy_world", "bm25s", 1.2, "400 | 1.000 | 1.000 | 0.750 | 0.750 | 0: 0 / 0 / 0 | 1.000 |"),
+    ("toy_world", "rank_bm25", 1.2, "400 | 1.000 | 1.000 | 0.750 | 0.750 | 0: 0 / 0 / 0 | 1.000 |"),
+    ("toy_world", "bm25s", 0.9, "400 | 1.000 | 1.000 | 0.750 | 0.750 | 0: 0 / 0 / 0 | 1.000 |"),
+    ("toy_world", "rank_bm25", 0.9, "400 | 1.000 | 1.000 | 0.750 | 0.750 | 0: 0 / 0 / 0 | 1.000 |"),
+]
+LUCENE_KEYS = ["questions", "top3_overlap", "top3_identical", "recall3_dspo", "recall3_lucene", "differing"]
+LUCENE_KEYS.append("top3_identical_vs_lucene_exact_lengths")
+for corpus, backend, k1, cells in LUCENE_ROWS:
+    row = f"| {corpus} | {LUCENE_SETTING[k1]} | {backend} | {cells}"
+    numbers = [cell.strip().partition(":")[0] for cell in cells.strip("| ").split("|")]
+    for key, number in zip(LUCENE_KEYS, numbers, strict=True):
+        CITED.append(("bench/README.md", row, number, "lucene_agreement.json", agreement(corpus, backend, k1, key)))
 
 
 @pytest.mark.parametrize(("doc", "text", "number", "results", "figure"), CITED, ids=[f"{c[0]}: {c[1]}" for c in CITED])
