@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ from dspo.search.backends import _Bm25sEngine, _RankBm25Engine, _top_k, import_b
 from dspo.search.corpus import iter_corpus, load_corpus
 from dspo.search.passages import PassageStore, passage_line, write_passages
 from dspo.search.streamed import TERM_MAX, build_streamed
+from dspo.search.tantivy_backend import TantivyEngine, build_tantivy, check_tantivy_parameters
 from dspo.types import Passage
 
 __all__ = ["BM25Index", "Tokenizer", "_top_k", "build_or_load_index", "import_bm25s", "load_retriever", "recall_at_k"]
@@ -47,7 +49,7 @@ STOPWORDS_EN: tuple[str, ...] = (
     "a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "if", "in", "into", "is", "it", "no", "not", "of",
     "on", "or", "such", "that", "the", "their", "then", "there", "these", "they", "this", "to", "was", "will", "with",
 )  # fmt: skip
-BACKENDS = ("bm25s", "rank_bm25")
+BACKENDS = ("bm25s", "rank_bm25", "tantivy")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _WORD = re.compile(r"\w+")
@@ -112,8 +114,16 @@ class BM25Index:
         show_progress: bool = True,
     ) -> BM25Index:
         """Tokenize and index `passages` in memory (progress bar on stderr unless show_progress is False).
-        For corpora that do not fit in memory use `build_index_streamed`."""
+        For corpora that do not fit in memory use `build_index_streamed`. tantivy indexes live on disk: this builds
+        one in a temporary directory that lasts as long as the returned index."""
         check_parameters(backend, k1, b)
+        if backend == "tantivy":
+            scratch = tempfile.TemporaryDirectory(prefix="dspo-tantivy-")
+            path = Path(scratch.name) / "index"
+            build_index_streamed(passages, path, backend, k1, b, show_progress=show_progress, workers=0)
+            index = cls.load(path)
+            index._scratch = scratch
+            return index
         start = time.perf_counter()
         tokenizer = Tokenizer()
         passages = list(passages)
@@ -210,6 +220,8 @@ class BM25Index:
             engine = _Bm25sEngine.load(path, mmap)
         elif backend == "rank_bm25":
             engine = _RankBm25Engine.load(path, mmap, k1, b)
+        elif backend == "tantivy":
+            engine = TantivyEngine.load(path, len(passages))
         else:
             raise ValueError(f"{path / MANIFEST}: unknown backend {backend!r}")
         if engine.num_docs != len(passages):
@@ -231,6 +243,8 @@ def check_parameters(backend: str, k1: float, b: float) -> None:
         raise ValueError(f"unknown BM25 backend {backend!r}; choose one of {BACKENDS}")
     if k1 < 0 or not 0 <= b <= 1:
         raise ValueError(f"BM25 parameters out of range: k1={k1} (need >= 0), b={b} (need 0..1)")
+    if backend == "tantivy":
+        check_tantivy_parameters(k1, b)
 
 
 @contextmanager
@@ -262,18 +276,25 @@ def build_index_streamed(
     show_progress: bool = True,
     corpus_info: dict | None = None,
     total: int | None = None,
+    workers: int | None = None,
 ) -> Path:
-    """Build a bm25s index from a passage stream in bounded memory (dspo/search/streamed.py) and save it to
-    `directory` atomically; rank_bm25 (in-memory by nature) is built with `BM25Index.build` and saved."""
+    """Build a bm25s or tantivy index from a passage stream in bounded memory (dspo/search/streamed.py,
+    dspo/search/tantivy_backend.py) and save it to `directory` atomically; rank_bm25 (in-memory by nature) is
+    built with `BM25Index.build` and saved. `workers`: tokenizer processes (None: one per core)."""
     check_parameters(backend, k1, b)
     start = time.perf_counter()
-    if backend != "bm25s":
+    if backend == "rank_bm25":
         index = BM25Index.build(passages, backend=backend, k1=k1, b=b, show_progress=show_progress)
         index.corpus_info = corpus_info
         return index.save(directory, overwrite=overwrite)
     tokenizer = Tokenizer()
     with staged_index_dir(directory, overwrite) as tmp:
-        built = build_streamed(passages, tmp, tokenizer, k1, b, show_progress=show_progress, total=total)
+        if backend == "tantivy":
+            built = build_tantivy(passages, tmp, tokenizer, show_progress=show_progress, total=total, workers=workers)
+        else:
+            built = build_streamed(
+                passages, tmp, tokenizer, k1, b, show_progress=show_progress, total=total, workers=workers
+            )
         manifest = {
             "format": "dspo-bm25", "version": FORMAT_VERSION, "backend": backend, "variant": "lucene", "k1": k1,
             "b": b, "num_passages": built.num_docs, "tokenizer": tokenizer.to_dict(), "corpus": corpus_info,

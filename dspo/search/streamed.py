@@ -49,8 +49,8 @@ class StreamedBuild:
     """What a streamed build wrote: sizes and the SHA-256 of the stored passages (the corpus part of the digest)."""
 
     num_docs: int
-    vocab_size: int
-    num_postings: int
+    vocab_size: int | None  # None: the backend does not say (tantivy)
+    num_postings: int  # tantivy: tokens indexed (an upper bound)
     passages_sha256: str
 
 
@@ -120,26 +120,27 @@ def tokenize_batch(tokenize: Callable[[str], list[str]], texts: list[str]) -> tu
     return list(local), ids.tobytes(), lengths.tobytes()
 
 
-class _TokenizerPool:
-    """Batches tokenized in `workers` spawned processes, results in submission order, at most 2 per worker in
-    flight (bounded memory). No process is started for a corpus smaller than one batch, or with workers=0."""
+class TokenizerPool:
+    """`task(tokenize, texts)` run over batches in `workers` spawned processes, results in submission order, at
+    most 2 per worker in flight (bounded memory). No process is started for a corpus smaller than one batch, or with
+    workers=0."""
 
-    def __init__(self, tokenize: Callable[[str], list[str]], workers: int) -> None:
-        self.tokenize, self.workers = tokenize, workers
+    def __init__(self, task: Callable, tokenize: Callable[[str], list[str]], workers: int) -> None:
+        self.task, self.tokenize, self.workers = task, tokenize, workers
         self.pending: deque = deque()
         self.pool = None
 
-    def submit(self, texts: list[str], full: bool) -> Iterator[tuple[list[str], bytes, bytes]]:
+    def submit(self, texts: list[str], full: bool) -> Iterator:
         if self.workers and full and self.pool is None:
             self.pool = multiprocessing.get_context("spawn").Pool(self.workers)
         if self.pool is None:
-            yield tokenize_batch(self.tokenize, texts)
+            yield self.task(self.tokenize, texts)
             return
-        self.pending.append(self.pool.apply_async(tokenize_batch, (self.tokenize, texts)))
+        self.pending.append(self.pool.apply_async(self.task, (self.tokenize, texts)))
         while len(self.pending) > 2 * self.workers:
             yield self.pending.popleft().get()
 
-    def drain(self) -> Iterator[tuple[list[str], bytes, bytes]]:
+    def drain(self) -> Iterator:
         while self.pending:
             yield self.pending.popleft().get()
 
@@ -147,6 +148,30 @@ class _TokenizerPool:
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
+
+
+def tokenized_batches(
+    passages: Iterable[Passage],
+    writer: PassageWriter,
+    pool: TokenizerPool,
+    id_hashes: array,
+    show_progress: bool,
+    total: int | None,
+) -> Iterator:
+    """Pass 1's loop, shared by the backends: each passage is stored and its id hashed (duplicates are found at
+    the end), its title + text tokenized in batches; yields the pool's results in corpus order."""
+    texts: list[str] = []
+    bar = tqdm(passages, desc="tokenize", unit="passage", unit_scale=True, total=total, disable=not show_progress)
+    for p in bar:
+        writer.write(p)
+        id_hashes.append(hash(p.id))
+        texts.append(f"{p.title} {p.text}")
+        if len(texts) == BATCH:
+            yield from pool.submit(texts, full=True)
+            texts = []
+    if texts:
+        yield from pool.submit(texts, full=False)
+    yield from pool.drain()
 
 
 def _open_npy(path: Path, dtype: str, length: int) -> BinaryIO:
@@ -231,26 +256,17 @@ def build_streamed(
     writer = PassageWriter(directory)
     work = Path(tempfile.mkdtemp(prefix=".spill-", dir=directory.parent))
     workers = default_workers() if workers is None else workers
-    tokenizers = _TokenizerPool(tokenize, workers)
+    tokenizers = TokenizerPool(tokenize_batch, tokenize, workers)
     try:
         spiller = _Spiller(work, chunk_docs)
-        id_hashes, texts = array("q"), []
-        bar = tqdm(passages, desc="tokenize", unit="passage", unit_scale=True, total=total, disable=not show_progress)
-        for p in bar:
-            writer.write(p)
-            id_hashes.append(hash(p.id))
-            texts.append(f"{p.title} {p.text}")
-            if len(texts) == BATCH:
-                for result in tokenizers.submit(texts, full=True):
-                    spiller.add_batch(*result)
-                texts = []
-        for result in [*tokenizers.submit(texts, full=False), *tokenizers.drain()] if texts else tokenizers.drain():
+        id_hashes = array("q")
+        for result in tokenized_batches(passages, writer, tokenizers, id_hashes, show_progress, total):
             spiller.add_batch(*result)
         spiller.spill()
         sha256 = writer.close()
         if not len(writer):
             raise ValueError("cannot build a BM25 index over zero passages")
-        _check_unique_ids(directory, id_hashes)
+        check_unique_ids(directory, id_hashes)
         out = directory / BM25S_DIR
         out.mkdir()
         postings = _merge(spiller, out, k1, b, block_postings, show_progress)
@@ -266,7 +282,7 @@ def default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def _check_unique_ids(directory: Path, id_hashes: array) -> None:
+def check_unique_ids(directory: Path, id_hashes: array) -> None:
     """Raise ValueError naming a duplicate passage id (8 bytes per passage in memory, not the ids themselves)."""
     hashes = np.sort(np.frombuffer(id_hashes, dtype=np.int64))
     clashing = set(hashes[1:][hashes[1:] == hashes[:-1]].tolist())
