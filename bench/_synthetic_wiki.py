@@ -110,28 +110,43 @@ def iter_passages(size: int, seed: int = 0, words: ZipfWords | None = None) -> I
         yield from chunk_passages(words, seed, chunk, min(CHUNK, size - chunk * CHUNK))
 
 
-def write_corpus(path: Path, size: int, seed: int = 0, num_queries: int = 1000) -> list[dict]:
-    """Write `size` passages to `path` (JSON Lines) and return the queries: [{"query", "id"}]."""
-    words = ZipfWords(seed)
-    wanted = np.random.default_rng([seed, 2**32]).choice(size, size=min(num_queries, size), replace=False)
-    wanted_set, queries = set(wanted.tolist()), {}
-    picker = np.random.default_rng([seed, 2**33])
-    with path.open("w", encoding="utf-8") as handle:
-        for chunk in range((size + CHUNK - 1) // CHUNK):
-            rows = chunk_passages(words, seed, chunk, min(CHUNK, size - chunk * CHUNK))
-            # letters and spaces only: the JSON is written without an encoder
-            handle.write(
-                "".join(f'{{"id": "{pid}", "contents": "\\"{title}\\"\\n{text}"}}\n' for pid, title, text in rows)
-            )
-            for pid, title, text in rows:
-                if int(pid) in wanted_set:
-                    picked = picker.choice(WORDS, size=6, replace=False)
-                    tokens = text.split()
-                    queries[int(pid)] = {
-                        "query": " ".join([title.lower()] + [tokens[j] for j in sorted(picked)]),
-                        "id": pid,
-                    }
-    return [queries[i] for i in wanted.tolist()]
+_WORDS: ZipfWords | None = None  # one vocabulary per generator process
+
+
+def _chunk_job(job: tuple[int, int, int, list[int]]) -> tuple[str, list[dict]]:
+    """(JSON Lines text, queries) of one chunk; `wanted`: the global indices of its query passages."""
+    global _WORDS
+    seed, chunk, count, wanted = job
+    if _WORDS is None:
+        _WORDS = ZipfWords(seed)
+    rows = chunk_passages(_WORDS, seed, chunk, count)
+    # letters and spaces only: the JSON is written without an encoder
+    text = "".join(f'{{"id": "{pid}", "contents": "\\"{title}\\"\\n{body}"}}\n' for pid, title, body in rows)
+    picker, queries = np.random.default_rng([seed, 2**33, chunk]), []
+    for index in wanted:
+        _, title, body = rows[index - chunk * CHUNK]
+        tokens, picked = body.split(), sorted(picker.choice(WORDS, size=6, replace=False).tolist())
+        queries.append({"query": " ".join([title.lower()] + [tokens[j] for j in picked]), "id": str(index)})
+    return text, queries
+
+
+def write_corpus(path: Path, size: int, seed: int = 0, num_queries: int = 1000, processes: int = 2) -> list[dict]:
+    """Write `size` passages to `path` (JSON Lines, chunks generated in `processes` processes, written in order)
+    and return the queries ([{"query", "id"}], in the order their passages were drawn)."""
+    import multiprocessing
+
+    wanted = np.random.default_rng([seed, 2**32]).choice(size, size=min(num_queries, size), replace=False).tolist()
+    by_chunk: dict[int, list[int]] = {}
+    for index in sorted(wanted):
+        by_chunk.setdefault(index // CHUNK, []).append(index)
+    chunks = (size + CHUNK - 1) // CHUNK
+    jobs = [(seed, c, min(CHUNK, size - c * CHUNK), by_chunk.get(c, [])) for c in range(chunks)]
+    queries: dict[str, dict] = {}
+    with path.open("w", encoding="utf-8") as handle, multiprocessing.get_context("spawn").Pool(processes) as pool:
+        for text, chunk_queries in pool.imap(_chunk_job, jobs):
+            handle.write(text)
+            queries.update({q["id"]: q for q in chunk_queries})
+    return [queries[str(i)] for i in wanted]
 
 
 def save_queries(path: Path, queries: list[dict]) -> None:

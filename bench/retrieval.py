@@ -4,6 +4,7 @@
     python bench/retrieval.py --synthetic-size 0    # HotpotQA dev corpus only
     python bench/retrieval.py --mode server --clients 50 --duration-s 300   # soak of dspo-serve on loopback
     python bench/retrieval.py --mode server --workers 4 --index indexes/wiki18   # 4 workers over an existing index
+    python bench/retrieval.py --scale 1000000 5000000 21015324   # wiki-18-shaped corpora (bench/_scale.py)
 
 Queries/s is the best of `--repeats` passes over the 500 queries (the machine may be shared). Each (corpus, backend)
 measurement runs in a fresh child process so its peak RSS is its own; a child that exceeds
@@ -282,6 +283,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--index", type=Path, default=None, help="serve this index directory (default: build one)")
     parser.add_argument("--load-timeout-s", type=float, default=600.0, help="wait this long for the server's /health")
     add_output_arguments(parser, "retrieval.json")
+    parser.add_argument(
+        "--scale", type=int, nargs="+", default=None, help="scale mode: corpus sizes, e.g. 1000000 5000000 21015324"
+    )
+    parser.add_argument("--scale-backends", nargs="+", default=["tantivy", "bm25s"], help="backends in scale mode")
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/bench/scale"), help="scale mode's files")
+    parser.add_argument("--keep", action="store_true", help="scale mode: keep corpora and indexes")
+    parser.add_argument("--scale-time-cap-s", type=float, default=4 * 3600.0, help="scale mode: per build/query run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.out = output_path(parser, args, "retrieval.json")
@@ -294,11 +302,18 @@ def main() -> None:
         print(json.dumps(run_child(json.loads(args.child))))
         return
     report: dict = {"cpu_count": os.cpu_count()}
-    if args.mode in ("index", "all"):
+    if args.scale:
+        from _scale import print_table, scale_mode
+
+        measured = provenance()
+        rows = scale_mode(args.scale, args.scale_backends, args.workdir, args.keep, args.scale_time_cap_s)
+        report = {"scale": rows, "scale_measured": measured, "cpu_count": os.cpu_count()}
+        print_table(rows)
+    elif args.mode in ("index", "all"):
         measured = provenance()
         report["index"] = index_mode(args)
         report["index_measured"] = measured
-    if args.mode in ("server", "all"):
+    if args.mode in ("server", "all") and not args.scale:
         measured = provenance()
         report["server"] = {"measured": measured, **server_mode(args)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -312,10 +327,13 @@ def check(report: dict) -> None:
     """Exit non-zero when a (corpus, backend) run was skipped or answered nothing, or the soak measured nothing."""
     rows, server = report.get("index", []), report.get("server", {})
     figures = {f"{r['corpus']} {r['backend']}.{k}": r.get(k) or None for r in rows for k in ("queries", "qps")}
+    for r in report.get("scale", []):
+        figures[f"scale {r['passages']} {r['backend']}.qps_single"] = r.get("qps_single") or None
+    errors_scale = {f"scale {r['passages']} {r['backend']}": r.get("skipped") for r in report.get("scale", [])}
     figures.update(
         {f"server.{k}": server[k] if server[k] > 0 else None for k in ("requests", "p50_ms")} if server else {}
     )
-    errors = {f"{r['corpus']} {r['backend']} (skipped)": r.get("skipped") for r in rows}
+    errors = {f"{r['corpus']} {r['backend']} (skipped)": r.get("skipped") for r in rows} | errors_scale
     require_measured(
         "retrieval",
         {**figures, **({"server.alive_after": server["server_alive_after"] or None} if server else {})},
