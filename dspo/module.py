@@ -37,6 +37,7 @@ from dspo.models import ModelConfig, load_causal_lm, lora
 from dspo.models.fsdp import clip_grad_norm
 from dspo.models.logprobs import masked_token_logprobs
 from dspo.models.lora import adapters_disabled, add_adapters, check_same_lora, is_adapter_key, lora_config
+from dspo.record import with_index
 from dspo.step_stats import MiniBatchStats
 from dspo.types import PolicyBatch
 
@@ -172,7 +173,7 @@ class DSPOModule(pl.LightningModule):
         if self.model_cfg.lora is not None:  # the adapters hold only on this base: resume compares (check_same_base)
             checkpoint["dspo"]["base_digest"] = lora.base_digest(self.model_cfg.path)
         if self.run_record is not None:  # what dspo-eval / dspo-rollout adopt from this checkpoint (dspo.record)
-            checkpoint["dspo"]["run"] = self.run_record
+            checkpoint["dspo"]["run"] = with_index(self.run_record)
 
     def _frozen_base_key(self, key: str) -> bool:
         """With LoRA, the policy's frozen base weights: reloaded from model.path, never stored in checkpoints."""

@@ -113,10 +113,41 @@ def _env_section(cfg: DictConfig) -> Any:
     return resolved(written, "env")
 
 
+def with_index(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record plus `index`: the identity (digest, path, backend, size) of the in-process index its retriever
+    names, read from that index's manifest; unchanged for a remote retriever or an index without a digest (built
+    before digests existed). Added when a checkpoint or model is written: the index may be built on first use."""
+    retriever = (record.get("config") or {}).get("retriever")
+    path = retriever.get("index") if isinstance(retriever, Mapping) else None
+    if record.get("index") or not isinstance(path, str):
+        return dict(record)
+    from dspo.search.bm25 import read_manifest
+
+    manifest = read_manifest(path) or {}
+    if "digest" not in manifest:
+        return dict(record)
+    keys = ("digest", "backend", "num_passages", "k1", "b")
+    return {**record, "index": {"path": str(Path(path).resolve()), **{key: manifest.get(key) for key in keys}}}
+
+
+def index_mismatch(record: Mapping[str, Any] | None, retriever: object) -> str | None:
+    """A warning when `retriever` is not the index the recorded run trained with (None when they match or either
+    side cannot tell: no record, a record without an index, a remote retriever)."""
+    trained = (record or {}).get("index") or {}
+    used = getattr(retriever, "digest", None)
+    if not trained.get("digest") or used is None or used == trained["digest"]:
+        return None
+    return (
+        f"the model was trained with the index {trained['digest']} ({trained.get('path')}, {trained.get('backend')}, "
+        f"{trained.get('num_passages')} passages) but is evaluated on {used}: another corpus, analyzer, k1/b or "
+        "backend, so its scores are not comparable with the training run's (set retriever.index to the trained one)"
+    )
+
+
 def write_record(model_dir: str | Path, record: Mapping[str, Any], step: int | None = None) -> Path:
     """`dspo_run.json` in an exported model folder (with the training step it was exported at)."""
     path = Path(model_dir) / RECORD_FILE
-    path.write_text(json.dumps({**record, "step": step}, indent=1) + "\n", encoding="utf-8")
+    path.write_text(json.dumps({**with_index(record), "step": step}, indent=1) + "\n", encoding="utf-8")
     return path
 
 

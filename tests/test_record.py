@@ -106,3 +106,25 @@ def test_an_older_record_is_read_in_todays_terms(record, tmp_path) -> None:
     assert instantiate(cfg.rollout.agent).func is ToolCallingAgent and cfg.env.tools.search.topk == 1
     assert cfg.rollout.engine._target_ == "dspo.engines.VLLMEngine"
     assert cfg.env.tools.search.retriever.index == "/c/toyworld/default/world/bm25"  # follows the adopted retriever
+
+
+def test_the_record_names_the_index_it_trained_with_and_eval_warns_on_another(tmp_path) -> None:
+    from dspo.record import index_mismatch, with_index
+    from dspo.search.bm25 import BM25Index
+    from dspo.types import Passage
+
+    docs = [Passage("a", "A", "alpha beta"), Passage("b", "B", "beta gamma")]
+    BM25Index.build(docs, show_progress=False).save(tmp_path / "ix")
+    record = {"format": 1, "config": {"retriever": {"index": str(tmp_path / "ix"), "k1": 1.2}}}
+    (tmp_path / "model").mkdir()
+    written = json.loads(write_record(tmp_path / "model", record, step=3).read_text())
+    trained = BM25Index.load(tmp_path / "ix")
+    assert written["index"]["digest"] == trained.digest and written["index"]["num_passages"] == 2
+    assert index_mismatch(written, trained) is None
+    other = BM25Index.build(docs, k1=0.9, b=0.4, show_progress=False)
+    warning = index_mismatch(written, other)
+    assert warning and trained.digest in warning and other.digest in warning and "retriever.index" in warning
+    # nothing to compare: a remote retriever (no digest), a record without an index, a missing index folder
+    assert index_mismatch(written, object()) is None and index_mismatch({"config": {}}, other) is None
+    missing = {"config": {"retriever": {"index": str(tmp_path / "nowhere")}}}
+    assert with_index(missing) == missing and "index" not in with_index({"config": {"retriever": {"url": "x"}}})

@@ -246,17 +246,27 @@ def check_model_source(cfg: Any) -> None:
         raise FileNotFoundError(f"model.path={model_path}: no config.json there; point it at a Hugging Face model")
 
 
-def adopt_run_record(cfg: Any, overrides: list[str], imports: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Adopt the settings of the run that trained the model (`dspo.record`; it may name the targets of dspo and of
-    the `imports` modules only); the lines to show first."""
-    from dspo.record import RECORD_FILE, adopt, checkpoint_record, read_model_record
+def read_run_record(cfg: Any) -> tuple[dict[str, Any] | None, str]:
+    """(the record of the run that trained the model, where it was read); None for a plain model."""
+    from dspo.record import RECORD_FILE, checkpoint_record, read_model_record
 
     if cfg.get("ckpt_path"):
         source = str(cfg.ckpt_path)
-        record = checkpoint_record(read_checkpoint(source, bool(cfg.get("allow_foreign_checkpoint"))), source)
-    else:
-        source = str(Path(str(cfg.model.path)).expanduser() / RECORD_FILE)
-        record = read_model_record(cfg.model.path)
+        return checkpoint_record(read_checkpoint(source, bool(cfg.get("allow_foreign_checkpoint"))), source), source
+    return read_model_record(cfg.model.path), str(Path(str(cfg.model.path)).expanduser() / RECORD_FILE)
+
+
+def adopt_run_record(
+    cfg: Any,
+    overrides: list[str],
+    imports: list[str] | tuple[str, ...] = (),
+    found: tuple[dict[str, Any] | None, str] | None = None,
+) -> list[str]:
+    """Adopt the settings of the run that trained the model (`dspo.record`; it may name the targets of dspo and of
+    the `imports` modules only); the lines to show first. `found`: `read_run_record(cfg)` if already read."""
+    from dspo.record import adopt
+
+    record, source = found or read_run_record(cfg)
     if record is None:
         return [
             f"no dspo run record in {source}: a plain model, evaluated with conf/eval.yaml's agent (Qwen tool-call "
@@ -318,16 +328,21 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
     command line's (they win over the settings a trained model records)."""
     from hydra.utils import instantiate
 
+    from dspo.record import index_mismatch
     from dspo.trust import import_modules
 
     out = Path(output_dir)
     check_model_source(cfg)
     imports = import_modules(cfg.get("imports"))  # the user's plug-ins: a record may name their targets
-    log_adoption(adopt_run_record(cfg, list(overrides), imports))
+    found = read_run_record(cfg)
+    log_adoption(adopt_run_record(cfg, list(overrides), imports, found))
     check_settings(cfg)
     sets = load_eval_sets(cfg.data, cfg.eval.get("limit"))
     log.info("benchmarks: %s", {name: len(items) for name, items in sets.items()})
     env = instantiate(cfg.env)  # tools (the search tool's retriever) + reward, before the model loads
+    mismatch = index_mismatch(found[0], getattr(env.tools.get("search"), "retriever", None))
+    if mismatch:
+        log.warning(mismatch)
     with tempfile.TemporaryDirectory(prefix="dspo-eval-") as scratch:
         model_path, step = resolve_model(cfg, Path(scratch))
         agent = build_engine_and_agent(cfg.rollout, model_path, env)

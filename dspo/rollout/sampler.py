@@ -34,6 +34,7 @@ from dspo.agent.stats import Kind, kind_of
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.rounds import PromptSampler
 from dspo.rollout.roles import RoleStats, interleaved
+from dspo.search.cache import cache_counts, cache_hit_rate
 from dspo.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class RoundSampler:
         roles = RoleStats()  # rollout/<role>/<stat>, logged only when the agent played a role besides the default
         retriever = getattr(self.agent, "retriever", None)
         retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
+        cache_before = cache_counts(retriever)
         start = time.perf_counter()
         while not all_done(len(kept) >= self.local_target):
             if calls >= self.spec.max_sampling_rounds:
@@ -208,6 +210,7 @@ class RoundSampler:
             "rollout/generated_tokens": float(tokens),
             "rollout/time_s": elapsed,
             "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
+            **cache_hit_rate(cache_before, cache_counts(retriever)),
             **details.result(),
             **roles.result(),
         }

@@ -368,12 +368,18 @@ def load_retriever(
     b: float = 0.75,
     mmap: bool = False,
     show_progress: bool = True,
-) -> BM25Index:
+    cache_size: int = 0,
+):
     """Hydra factory for `conf/retriever/bm25.yaml`. With `corpus`, the index is (re)built there when missing or
-    stale (`build_or_load_index`); without it, `index` must already hold an index (its own backend is used)."""
+    stale (`build_or_load_index`); without it, `index` must already hold an index (its own backend is used).
+    `cache_size` > 0 puts an LRU of that many results in front (dspo/search/cache.py)."""
+    from dspo.search.cache import with_cache
+
     if corpus:
-        return build_or_load_index(corpus, index, backend=backend, k1=k1, b=b, show_progress=show_progress, mmap=mmap)
-    return BM25Index.load(index, mmap=mmap)
+        loaded = build_or_load_index(corpus, index, backend=backend, k1=k1, b=b, show_progress=show_progress, mmap=mmap)
+    else:
+        loaded = BM25Index.load(index, mmap=mmap)
+    return with_cache(loaded, cache_size)
 
 
 def recall_at_k(results: Sequence[Sequence[Passage]], gold_titles: Sequence[Sequence[str]]) -> float:
