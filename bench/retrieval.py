@@ -195,6 +195,8 @@ def server_mode(args: argparse.Namespace) -> dict:
     from dspo.search.bm25 import build_or_load_index, read_manifest
 
     _, queries, _ = shared_workload()
+    if args.queries is not None:  # e.g. the synthetic corpus's own queries for a --scale index (bench/_scale.py)
+        queries = [json.loads(line)["query"] for line in args.queries.read_text().splitlines() if line.strip()]
     batch_mix = parse_batch_mix(args.batch_mix)
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
@@ -281,6 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bad-share", type=float, default=0.05, help="share of bad requests (each must get its 4xx)")
     parser.add_argument("--workers", type=int, default=1, help="dspo-serve workers=N (processes on one port)")
     parser.add_argument("--index", type=Path, default=None, help="serve this index directory (default: build one)")
+    parser.add_argument(
+        "--queries", type=Path, default=None, help="soak queries: JSON Lines with 'query' (default: HotpotQA)"
+    )
     parser.add_argument("--load-timeout-s", type=float, default=600.0, help="wait this long for the server's /health")
     add_output_arguments(parser, "retrieval.json")
     parser.add_argument(

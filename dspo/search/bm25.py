@@ -352,10 +352,10 @@ def build_or_load_index(
     same = manifest is not None and manifest.get("version") == FORMAT_VERSION and manifest.get("corpus") == wanted
     if same and (manifest["backend"], manifest["k1"], manifest["b"]) == (backend, k1, b):
         return BM25Index.load(index_dir, mmap=mmap)
-    if backend == "bm25s":
-        passages: Iterable[Passage] = iter_corpus(corpus)  # streamed: bounded memory at any corpus size
+    if backend == "rank_bm25":
+        passages: Iterable[Passage] = load_corpus(corpus)
     else:
-        passages = load_corpus(corpus)
+        passages = iter_corpus(corpus)  # streamed: bounded memory at any corpus size
     build_index_streamed(passages, index_dir, backend, k1, b, show_progress=show_progress, corpus_info=wanted)
     return BM25Index.load(index_dir, mmap=mmap)
 

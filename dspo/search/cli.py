@@ -26,8 +26,8 @@ def run_index(cfg: DictConfig) -> Path:
     if not Path(cfg.corpus).is_file():
         raise FileNotFoundError(f"corpus file not found: {cfg.corpus} (set corpus= to a JSON Lines file)")
     start = time.perf_counter()
-    # bm25s streams the corpus (bounded memory at any size); rank_bm25 holds it (it is the small-scale reference)
-    passages = iter_corpus(cfg.corpus) if cfg.backend == "bm25s" else load_corpus(cfg.corpus)
+    # bm25s and tantivy stream the corpus (bounded memory at any size); rank_bm25 holds it (the small-scale reference)
+    passages = load_corpus(cfg.corpus) if cfg.backend == "rank_bm25" else iter_corpus(cfg.corpus)
     build_index_streamed(
         passages,
         output,
@@ -37,6 +37,7 @@ def run_index(cfg: DictConfig) -> Path:
         overwrite=bool(cfg.overwrite),
         show_progress=bool(cfg.show_progress),
         corpus_info=corpus_fingerprint(cfg.corpus),
+        workers=cfg.get("workers"),
     )
     manifest = read_manifest(output)
     size_mb = sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) / 2**20
@@ -57,7 +58,9 @@ def run_serve(cfg: DictConfig) -> None:
     workers = check_workers(cfg.workers)  # the config's mistakes fail before the (possibly minutes long) load
     limits = instantiate(cfg.limits)
     start = time.perf_counter()
-    retriever = load_retriever(str(cfg.index), corpus=cfg.corpus, backend=cfg.backend, mmap=bool(cfg.mmap))
+    retriever = load_retriever(
+        str(cfg.index), corpus=cfg.corpus, backend=cfg.backend, mmap=bool(cfg.mmap), cache_size=int(cfg.cache_size)
+    )
     print(
         f"[dspo-serve] loaded {retriever.backend} index {cfg.index} ({len(retriever):,} passages) in "
         f"{time.perf_counter() - start:.1f}s; serving POST http://{cfg.host}:{cfg.port}/retrieve and GET /health "
@@ -77,7 +80,7 @@ def run_serve(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="index", version_base="1.3")
 def index_main(cfg: DictConfig) -> None:
-    """`dspo-index corpus=PATH output=DIR [backend=bm25s|rank_bm25]`."""
+    """`dspo-index corpus=PATH output=DIR [backend=bm25s|tantivy|rank_bm25]`."""
     from dspo.errors import user_errors
 
     with user_errors("dspo-index", "dspo-index corpus=data/hotpotqa_dev500/corpus.jsonl.gz output=outputs/index"):

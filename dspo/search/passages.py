@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -36,7 +37,7 @@ class PassageWriter:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._handle: BinaryIO = (directory / PASSAGES).open("wb")
-        self._offsets: list[int] = [0]
+        self._offsets = array("q", [0])  # 8 bytes a passage (a list of ints would cost ~36)
         self._position = 0
         self.sha256 = hashlib.sha256()
 
@@ -53,7 +54,7 @@ class PassageWriter:
     def close(self) -> str:
         """Flush the file and the offset table; returns the hex digest of the passages' bytes."""
         self._handle.close()
-        np.save(self.directory / OFFSETS, np.asarray(self._offsets, dtype=np.int64))
+        np.save(self.directory / OFFSETS, np.frombuffer(self._offsets, dtype=np.int64))
         return self.sha256.hexdigest()
 
 

@@ -3,13 +3,15 @@
 The dense path (`_Bm25sEngine.score_rows`) sums a query's posting lists into an [N] row: at 21M passages that is an
 84 MB row per query and tens of milliseconds. MaxScore (Turtle & Flood, 1995) skips most of it:
 
-1. A first threshold theta0: the k-th best exact score among a few seed documents (all documents of the query's
-   short posting lists, or the best-weighted documents of its longest one).
+1. A first threshold theta0: the k-th best exact score among a few seed documents (the best-weighted documents of
+   each posting list that is not too long to partially sort).
 2. Terms sorted by their largest possible contribution (`term_max`, stored by the streamed build, times the term's
    repetitions in the query); the longest prefix whose contributions sum to less than theta0 is "non-essential":
    a document that contains only non-essential terms scores below theta0 <= the final k-th score, so it cannot be
    in the top k.
-3. Candidates = documents of the essential terms' lists; each is scored exactly with every query term.
+3. Candidates = documents of the essential terms' lists. Their partial scores (essential terms only) bound each
+   score from below, so their k-th best may raise the threshold; partial + the non-essential terms' maxima bounds
+   it from above, so only candidates whose bound reaches the threshold are scored exactly with every query term.
 
 Exactness: candidate scores are summed in float64 over the query's terms in query order, the order the dense
 path's `np.bincount` adds them, so scores are bit-identical, and ties go to the lower document index, as in
@@ -23,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SEED_LIST_MAX = 20_000  # posting lists up to this long seed theta0 with all their documents
-SEED_TOP = 2_000  # otherwise: this many best-weighted documents of the highest-impact list
+SEED_LIST_MAX = 200_000  # lists up to this long give seed documents (a partial sort of each is cheap)
+SEED_PER_TERM = 32
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,23 @@ def exact_scores(matrix: CscMatrix, candidates: np.ndarray, terms: list[int]) ->
 
 
 def _seed(matrix: CscMatrix, unique: np.ndarray, impact: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    short = unique[lengths <= SEED_LIST_MAX]
-    if short.size:
-        return np.unique(np.concatenate([matrix.postings(int(t))[0] for t in short]))
-    docs, weights = matrix.postings(int(unique[np.argmax(impact)]))
-    best = np.argpartition(weights, weights.size - SEED_TOP)[-SEED_TOP:]
-    return np.sort(docs[best])
+    """A few documents likely to score high: each not-too-long list's SEED_PER_TERM best-weighted documents (the
+    highest-impact list's when all are long); a strong theta0 makes most terms non-essential."""
+    terms = unique[lengths <= SEED_LIST_MAX]
+    if terms.size == 0:
+        terms = unique[[int(np.argmin(lengths))]]
+    picked = []
+    for term in terms.tolist():
+        docs, weights = matrix.postings(term)
+        if docs.size > SEED_PER_TERM:
+            docs = docs[np.argpartition(weights, docs.size - SEED_PER_TERM)[-SEED_PER_TERM:]]
+        picked.append(docs)
+    return np.unique(np.concatenate(picked))
+
+
+def _locate(candidates: np.ndarray, docs: np.ndarray) -> np.ndarray:
+    """Positions in sorted `candidates` of `docs`, which are all among them."""
+    return np.searchsorted(candidates, docs)
 
 
 def rank(candidates: np.ndarray, scores: np.ndarray, k: int, num_docs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,6 +126,17 @@ def pruned_top_k(matrix: CscMatrix, terms: list[int], k: int) -> tuple[np.ndarra
     # a margin against float rounding: the bound must stay strictly below any score it excludes
     non_essential = by_impact[np.cumsum(impact[by_impact]) * (1 + 1e-9) < theta0]
     essential = np.setdiff1d(np.arange(unique.size), non_essential)
-    lists = [matrix.postings(int(unique[i]))[0] for i in essential]
-    candidates = np.unique(np.concatenate(lists)) if lists else seed
-    return rank(candidates, exact_scores(matrix, candidates, terms), k, matrix.num_docs)
+    if essential.size == 0:
+        return rank(seed, seed_scores, k, matrix.num_docs)
+    lists = [matrix.postings(int(unique[i])) for i in essential]
+    candidates = np.unique(np.concatenate([docs for docs, _ in lists]))
+    # partial scores from the essential terms (a lower bound of each score, so their k-th best raises theta) and an
+    # upper bound with every non-essential term at its maximum: only candidates that may reach theta are scored
+    partial = np.zeros(candidates.size)
+    for i, (docs, weights) in zip(essential.tolist(), lists, strict=True):
+        partial[_locate(candidates, docs)] += weights.astype(np.float64) * float(repeats[i])
+    theta = max(theta0, np.partition(partial, partial.size - k)[partial.size - k] if partial.size >= k else 0.0)
+    # margins of 1e-6: bounds computed in another summation order than the exact scores must not cut a tie
+    bound = (partial + float(impact[non_essential].sum())) * (1 + 1e-6)
+    survivors = candidates[bound >= theta * (1 - 1e-6)]
+    return rank(survivors, exact_scores(matrix, survivors, terms), k, matrix.num_docs)

@@ -74,17 +74,20 @@ def build_tantivy(
     show_progress: bool = True,
     total: int | None = None,
     workers: int | None = None,
-    heap_bytes: int = 1 << 30,
+    heap_bytes: int = 4 << 30,
 ) -> StreamedBuild:
     """Write passages and a tantivy index into the (existing, empty) `directory` in bounded memory: tantivy's
-    writer flushes a segment whenever its `heap_bytes` budget is used and merges segments on disk."""
+    writer flushes a segment whenever its `heap_bytes` budget (split over its threads) is used and merges segments
+    on disk. A large budget means fewer, larger segments: each segment is searched on its own (its own top-k
+    threshold), so fewer segments answer faster."""
     import tantivy
 
     writer = PassageWriter(directory)
     (directory / TANTIVY_DIR).mkdir()
     index, _ = _open(directory / TANTIVY_DIR, create=True)
     workers = default_workers() if workers is None else workers
-    index_writer = index.writer(heap_bytes, max(1, workers))
+    threads = max(1, workers)
+    index_writer = index.writer(min(heap_bytes, threads * 4_000_000_000), threads)  # tantivy: < 4 GiB a thread
     pool = TokenizerPool(join_tokens_batch, tokenize, workers)
     id_hashes, row, postings = array("q"), 0, 0
     try:
