@@ -400,6 +400,9 @@ def measure(work: Workload, java: str, jar: Path, classes: Path, workdir: Path, 
             }
         )
         for backend in backends:
+            if backend == "tantivy" and (k1, b) != (1.2, 0.75):
+                say(f"{work.name}: backend tantivy skipped at k1={k1} b={b} (tantivy fixes k1=1.2, b=0.75)")
+                continue
             try:
                 tic = time.perf_counter()
                 mine = dspo_hits(backend, work.passages, work.questions, k1, b)

@@ -50,6 +50,7 @@ METRICS = [
     "mismatch/weight_mean",
     "mismatch/masked_share",
     "rollout/no_search_share",
+    "retrieval/cache_hit_rate",  # the retriever's LRU (retriever.cache_size, dspo/search/cache.py)
     "guard/reward_drop",  # the collapse guard is on by default (dspo.guard): its scores, rollbacks and rate factor
     "guard/entropy",
     "guard/rollbacks",

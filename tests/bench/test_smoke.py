@@ -4,6 +4,7 @@ moved (issue 40: `dspo.module.policy_loss`) fails here, not silently in a later 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ SMOKE = {
     "lora": "--shape tiny --sequences 2 --length 32 --micro-batch-size 1 --repeats 1 --threads 2",
     "lora_push": "--hidden-size 64 --num-layers 1 --num-heads 2 --num-kv-heads 1 --intermediate 128 --pushes 1 "
     "--prompts 2 --max-new-tokens 4",
+    "retrieval_scale": "--scale 3000 --workdir scale",  # bench/_scale.py: wiki-shaped corpus, both streamed backends
     "environments": "--run --setups search --seeds 0 --root envs --override trainer.max_steps=2 "
     "trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
 }
@@ -58,6 +60,17 @@ def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) 
 def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
     run_bench(script, SMOKE[script].split(), tmp_path)
     assert (tmp_path / "outputs" / "bench" / f"{script}.json").is_file()
+
+
+@pytest.mark.slow
+def test_retrieval_scale_smoke_builds_and_queries_both_streamed_backends(tmp_path: Path) -> None:
+    run_bench("retrieval", SMOKE["retrieval_scale"].split(), tmp_path)
+    rows = json.loads((tmp_path / "outputs" / "bench" / "retrieval.json").read_text())["scale"]
+    assert {r["backend"] for r in rows} == {"tantivy", "bm25s"}
+    for row in rows:
+        assert row["passages"] == 3000 and row["build_peak_anon_tree_gib"] > 0 and row["qps_single"] > 0
+        assert row["top3_source"] >= 0.9  # a query is its passage's title + 6 of its words
+    assert not (tmp_path / "scale" / "wiki_shaped_3000.jsonl").exists()  # the corpus is removed unless --keep
 
 
 @pytest.mark.slow
