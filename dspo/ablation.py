@@ -2,6 +2,10 @@
 and what the sequence clip did. Reads runs with `dspo.analysis`.
 
     python -m dspo.ablation outputs/multirun/<timestamp> [--json outputs/ablation.json] [--figure outputs/ablation.png]
+    python -m dspo.ablation outputs/multirun/<timestamp> --by env.reward.cost.search   # a sweep over a weight
+
+`--by KEY` groups the runs by that config key's value instead of their algorithm, and adds the utility-cost table
+of `dspo.front` (env=planner's front: the answerer's accuracy against searches and answerer calls per episode).
 
 It writes nothing unless `--json` / `--figure` are given (the README's report is `--json bench/results/ablation.json`).
 
@@ -226,27 +230,31 @@ def _panel_note(ax, text: str) -> None:
     )  # above a lone point
 
 
-def report(sweep: str | Path, minibatches: int = 2) -> dict:
+def report(sweep: str | Path, minibatches: int = 2, by: str | None = None) -> dict:
     """Everything the README's ablation section shows, as plain JSON-able data. Jobs that failed, were preempted or
     were killed (their `status.json`, dspo.sweep) are left out of the numbers and listed under `incomplete_jobs` with
     their last error line (the key is absent when every job finished, so a complete sweep's report is as before)."""
-    runs, incomplete = complete_runs(sweep)
+    runs, incomplete = complete_runs(sweep, by)
     if not runs:
         names = ", ".join(job["job"] for job in incomplete)
         raise FileNotFoundError(f"no job of {sweep} finished ({names}): `python -m dspo.sweep {sweep}` says why")
     result = _report(runs, minibatches)
+    if by:
+        from dspo.front import front
+
+        result["front"] = front(runs, result["runs"])
     if incomplete:
         result["incomplete_jobs"] = incomplete
     return result
 
 
-def complete_runs(sweep: str | Path) -> tuple[list[RunInfo], list[dict]]:
+def complete_runs(sweep: str | Path, by: str | None = None) -> tuple[list[RunInfo], list[dict]]:
     """(the runs to report, the jobs left out: job, state, step, error), by each run's `status.json`; a run without
-    one (written before status files existed) is reported as it is."""
+    one (written before status files existed) is reported as it is. `by`: grouped by a config key (`find_runs`)."""
     from dspo.sweep import INCOMPLETE_STATES, job_state
 
     runs, incomplete = [], []
-    for run in find_runs(sweep):
+    for run in find_runs(sweep, by):
         job = job_state(run.dir)
         if job.state in INCOMPLETE_STATES:
             incomplete.append({"job": job.name, "state": job.state, "step": job.step, "error": job.error})
@@ -332,6 +340,10 @@ def report_text(result: dict) -> str:
     for job in result.get("incomplete_jobs", []):
         step = f" at step {job['step']}" if job.get("step") is not None else ""
         lines.append(f"left out: {job['job']} {job['state']}{step}: {job.get('error') or 'no error line found'}")
+    if result.get("front"):
+        from dspo.front import format_front
+
+        lines += ["", format_front(result["front"])]
     if result["clip_activity"]:
         lines += ["", "clip activity per position of the optimizer step in its round (0 = first mini-batch, on-policy;"]
         lines += ["one run per algorithm):", format_clip(result["clip_activity"]).to_string()]
@@ -344,14 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write the report here (default: none)")
     parser.add_argument("--figure", default=None, help="write the four-panel figure here (PNG; default: none)")
     parser.add_argument("--minibatches", type=int, default=2, help="algorithm.num_minibatches of the runs")
+    parser.add_argument("--by", default=None, help="group by this config key's value (e.g. env.reward.cost.search)")
     args = parser.parse_args(argv)
-    result = report(args.sweep, args.minibatches)
+    result = report(args.sweep, args.minibatches, args.by)
     print(report_text(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, default=float) + "\n")
     if args.figure:
-        plot_ablation(complete_runs(args.sweep)[0], args.figure)
+        plot_ablation(complete_runs(args.sweep, args.by)[0], args.figure)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def _is_run_dir(path: Path) -> bool:
     return (path / ".hydra" / "config.yaml").is_file() or (path / "tb").is_dir()
 
 
-def _read_config(path: Path) -> dict[str, object]:
-    """`algorithm.name`, `seed`, `run_name` from `.hydra/config.yaml`; absent or unresolvable keys are left out.
+def _read_config(path: Path, extra: Sequence[str] = ()) -> dict[str, object]:
+    """`algorithm.name`, `seed`, `run_name` (and the `extra` keys) from `.hydra/config.yaml`; absent or unresolvable
+    keys are left out.
 
     OmegaConf resolves `run_name: ${algorithm.name}_seed${seed}`; keys that need Hydra's runtime resolvers
     (`output_dir: ${hydra:...}`) are never touched.
@@ -62,30 +63,34 @@ def _read_config(path: Path) -> dict[str, object]:
         warnings.warn(f"{config}: cannot parse ({err}); using the directory name instead", stacklevel=3)
         return {}
     out: dict[str, object] = {}
-    for key in ("algorithm.name", "seed", "run_name"):
+    for key in ("algorithm.name", "seed", "run_name", *extra):
         value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
         if value is not None:
             out[key] = value
     return out
 
 
-def run_info(path: str | Path) -> RunInfo:
-    """Describe one run directory: config first, then the directory name (`<algo>_seed<k>`), then the bare name."""
+def run_info(path: str | Path, by: str | None = None) -> RunInfo:
+    """Describe one run directory: config first, then the directory name (`<algo>_seed<k>`), then the bare name.
+    `by`: a config key whose value groups the run instead of its algorithm (`<key>=<value>`; a sweep over a weight)."""
     path = Path(path)
-    cfg = _read_config(path)
+    cfg = _read_config(path, (by,) if by else ())
     match = _DIR_NAME.match(path.name)
     algorithm = cfg.get("algorithm.name") or (match["algorithm"] if match else path.name)
+    if by:
+        algorithm = f"{by}={cfg.get(by, 'unset')}"
     seed = cfg.get("seed", int(match["seed"]) if match else None)
     seed = int(seed) if seed is not None else None
     run_name = cfg.get("run_name") or (f"{algorithm}_seed{seed}" if seed is not None else path.name)
     return RunInfo(dir=path, algorithm=str(algorithm), seed=seed, run_name=str(run_name))
 
 
-def find_runs(path: str | Path) -> list[RunInfo]:
+def find_runs(path: str | Path, by: str | None = None) -> list[RunInfo]:
     """All runs at or below `path` (a run directory, a sweep directory, or any parent such as `outputs/`).
 
     A run directory holds `.hydra/config.yaml` or `tb/`; the search does not descend into runs. Sorted by
-    (algorithm, seed, directory). Raises FileNotFoundError when `path` is missing or holds no run.
+    (algorithm, seed, directory); `by`: grouped by that config key's value instead of the algorithm (`run_info`).
+    Raises FileNotFoundError when `path` is missing or holds no run.
     """
     root = Path(path).expanduser()
     if not root.is_dir():
@@ -98,7 +103,7 @@ def find_runs(path: str | Path) -> list[RunInfo]:
     while stack:
         current = stack.pop()
         if _is_run_dir(current):
-            found.append(run_info(current))
+            found.append(run_info(current, by))
             continue
         stack.extend(p for p in current.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not found:

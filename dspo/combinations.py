@@ -56,6 +56,11 @@ SYNCHRONOUS = Setting("rollout.max_staleness", lambda c: _select(c, "rollout.max
 COMPACT = Setting("rollout.agent.overflow", lambda c: _select(c, "rollout.agent.overflow") == "compact")
 ENDPOINT = Setting("env.agent", lambda c: _select(c, "env.agent") is not None, "an agent behind the endpoint")
 TURN_CREDIT = Setting("env.reward.credit", lambda c: _select(c, "env.reward.credit") == "turn")
+PLANNER = Setting(
+    "env.reward._target_",
+    lambda c: _select(c, "env.reward._target_") == "dspo.env.planner.PlannerReward",
+    "env=planner",
+)
 SEQUENCE_OBJECTIVE = Setting(
     "algorithm.loss",
     lambda c: _objective(c) is not None and not _objective(c).token_advantages,
@@ -119,6 +124,12 @@ REFUSED: tuple[Refusal, ...] = (
         ENDPOINT,
         "an agent behind the endpoint may rewrite its history, which splits the episode into several samples, and "
         "per-turn credit covers one token sequence; use env.reward.credit=trajectory",
+    ),
+    Refusal(
+        TURN_CREDIT,
+        PLANNER,
+        "the planner's reward (the answerer's outcome, the plan's quality, its cost) is known when the episode ends, "
+        "so no turn has a reward of its own; use env.reward.credit=trajectory",
     ),
     Refusal(
         TOKEN_CORRECTION,

@@ -182,3 +182,46 @@ def test_a_failed_or_killed_job_is_named_and_the_others_reported(tmp_path, sweep
         write_status(root / name, "failed", error="ValueError: x")
     with pytest.raises(FileNotFoundError, match="no job of .* finished"):
         ablation.report(root)
+
+
+def write_cost_run(run_dir: Path, cost: float, seed: int, test: float, searches: list[float]) -> None:
+    """A run of a sweep over env.reward.cost.search (env=planner): its config, validation, test and per-round costs."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    (run_dir / ".hydra").mkdir(parents=True)
+    config = CONFIG.format(algorithm="dspo", seed=seed) + f"env:\n  reward:\n    cost:\n      search: {cost}\n"
+    (run_dir / ".hydra" / "config.yaml").write_text(config)
+    writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+    for step, value in ((0, 0.4), (2 * len(searches), test)):
+        writer.add_scalar("val/subem_mean", value, step)
+    for round_index, value in enumerate(searches):
+        writer.add_scalar("reward/searches", value, 2 * round_index)
+        writer.add_scalar("reward/answerer_calls", 1.0, 2 * round_index)
+        writer.add_scalar("rollout/sampled_reward_mean", 0.5, 2 * round_index)
+    writer.add_scalar("test/subem_mean", test, 2 * len(searches))
+    writer.close()
+
+
+def test_a_sweep_over_a_weight_is_grouped_by_its_key_and_drawn_as_a_utility_cost_front(tmp_path, capsys) -> None:
+    """`--by env.reward.cost.search`: one group per value (all runs are dspo), utility = test subEM, cost = searches
+    + answerer calls per episode over the last fifth of the rounds; a row another beats on both is off the front."""
+    import json
+
+    late = [3.0, 3.0, 3.0, 3.0, 2.0]  # five rounds: the last fifth is the last round
+    write_cost_run(tmp_path / "0_dspo_seed0", 0.0, 0, 0.8, late)
+    write_cost_run(tmp_path / "1_dspo_seed1", 0.0, 1, 0.9, late)
+    write_cost_run(tmp_path / "2_dspo_seed0", 0.5, 0, 0.6, [1.0] * 5)
+    write_cost_run(tmp_path / "3_dspo_seed1", 0.5, 1, 0.6, [1.0] * 5)
+    write_cost_run(tmp_path / "4_dspo_seed0", 1.0, 0, 0.5, [1.5] * 5)  # lower utility at more searches than 0.5
+    out = tmp_path / "front.json"
+    ablation.main([str(tmp_path), "--by", "env.reward.cost.search", "--json", str(out)])
+    front = {row["group"]: row for row in json.loads(out.read_text())["front"]}
+    assert list(front) == [f"env.reward.cost.search={c}" for c in (0.0, 0.5, 1.0)]  # the swept value's order
+    zero = front["env.reward.cost.search=0.0"]
+    half = 12.706 * math.sqrt(0.005) / math.sqrt(2)
+    assert zero["n"] == 2 and zero["utility"] == pytest.approx(0.85) and zero["utility±"] == pytest.approx(half)
+    assert zero["searches"] == 2.0 and zero["calls"] == 3.0 and zero["answerer_calls"] == 1.0
+    assert [row["on_front"] for row in front.values()] == [True, True, False]
+    printed = capsys.readouterr().out
+    assert "utility-cost front" in printed and "env.reward.cost.search=0.5" in printed
+    assert "dspo" not in json.loads(out.read_text())["summary"]  # grouped by the key, not the algorithm

@@ -312,7 +312,7 @@ class ToolCallingAgent:
             pending = [ep for ep in live if ep.pending is not None and ep.pending.tool == name]
             if not pending:
                 continue
-            contexts = [CallContext(ep.item, ep.turn - 1, positions[id(ep)]) for ep in pending]
+            contexts = [CallContext(ep.item, ep.turn - 1, positions[id(ep)], list(ep.turns)) for ep in pending]
             tic = time.perf_counter()
             results = run_tool_batch(tool, [ep.pending.arguments for ep in pending], contexts)
             timers["tool_s"] += time.perf_counter() - tic

@@ -63,6 +63,9 @@ def build_trajectory(
     rewards for per-turn credit (one per model turn of `tokens.turn_spans`); an agent whose turns the trainer cannot
     align with its samples (the endpoint) passes False, and its step rewards count in the total only."""
     steps = list(result.step_rewards) if result is not None and per_turn else []
+    answer = end.answer
+    if result is not None and result.answer is not None:  # the reward's answerer answered for the policy (env=planner)
+        answer = result.answer or None
     return Trajectory(
         prompt_ids=tokens.prompt_ids,
         response_ids=tokens.response_ids,
@@ -73,7 +76,7 @@ def build_trajectory(
         step_rewards=steps,
         turn_spans=list(tokens.turn_spans),
         reward_components=dict(result.components) if result is not None else {},
-        answer=end.answer,
+        answer=answer,
         question=item.question,
         golden_answers=list(item.golden_answers),
         response_text=tokenizer.decode(tokens.response_ids, skip_special_tokens=False) if tokens.response_ids else "",

@@ -104,6 +104,9 @@ class RewardResult:
     shaping: float = 0.0
     step_rewards: list[float | None] = field(default_factory=list)  # one per turn; None: the turn has none
     components: dict[str, float] = field(default_factory=dict)
+    # the answer the system gave when it is not the policy's own (env=planner: the frozen answerer's), scored and
+    # reported in its place (validation, test, dspo-eval); "" = none given. None: the policy's extracted answer stands
+    answer: str | None = None
 
     @property
     def total(self) -> float:

@@ -109,6 +109,9 @@ class CallContext:
     item: Any  # the QAItem: question, golden_answers, metadata
     turn: int  # 0-based model turn of the call
     episode_index: int  # position of the episode in the agent's batch
+    # the episode's model turns so far (`TurnRecord`s, the calling turn last, without its result yet): what the
+    # episode found, for a tool that reads it (env=planner's answerer answers from the passages retrieved before)
+    history: list = field(default_factory=list)
 
 
 class Tool:

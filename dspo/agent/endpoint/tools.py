@@ -80,7 +80,12 @@ def run_tool_work(
     replies: list[tuple[Work, str]] = []
     for name, calls in valid.items():
         contexts = [
-            CallContext(episodes[w.episode].item, max(len(episodes[w.episode].calls) - 1, 0), w.episode)
+            CallContext(
+                episodes[w.episode].item,
+                max(len(episodes[w.episode].calls) - 1, 0),
+                w.episode,
+                list(episodes[w.episode].turns),
+            )
             for w, _ in calls
         ]
         results = run_tool_batch(tools[name], [arguments for _, arguments in calls], contexts)
