@@ -99,7 +99,9 @@ class PassageStore:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int) -> Passage:
+    def __getitem__(self, i: int | slice) -> Passage | list[Passage]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(f"passage {i} out of range (index has {len(self)})")
         i %= len(self)

@@ -91,3 +91,6 @@ def test_old_index_without_offsets_loads_and_keeps_its_digest(tmp_path: Path) ->
     old = BM25Index.load(tmp_path / "ix")
     assert old.digest == index.digest and old.search(["word3"], 1)[0][0].id == "3"
     assert [p.id for p in old.passages] == [str(i) for i in range(5)]
+    assert [p.id for p in old.passages[1:4:2]] == ["1", "3"] and old.passages[-1].id == "4"
+    with pytest.raises(IndexError, match="out of range"):
+        old.passages[5]
