@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 
-def start_server(index: Path, port: int, workers: int = 1) -> subprocess.Popen:
-    """`dspo-serve index=... port=... workers=...` as a subprocess (loopback: serve.yaml's default host)."""
+def start_server(index: Path, port: int, workers: int = 1, overrides: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`dspo-serve index=... port=... workers=... [overrides]` as a subprocess (loopback: serve.yaml's default host)."""
     code = "from dspo.search.cli import serve_main; serve_main()"
-    return subprocess.Popen([sys.executable, "-c", code, f"index={index}", f"port={port}", f"workers={workers}"])
+    command = [sys.executable, "-c", code, f"index={index}", f"port={port}", f"workers={workers}", *overrides]
+    return subprocess.Popen(command)
 
 
 def server_rss_mib(pid: int) -> tuple[float, int]:

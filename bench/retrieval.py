@@ -208,7 +208,7 @@ def server_mode(args: argparse.Namespace) -> dict:
             index = Path(tmp) / "ix"
             build_or_load_index(HOTPOTQA / "corpus.jsonl.gz", index, show_progress=False)
         port = free_port()
-        server = start_server(index, port, args.workers)
+        server = start_server(index, port, args.workers, tuple(args.serve_override))
         try:
             wait_healthy(f"http://127.0.0.1:{port}/health", server, timeout_s=args.load_timeout_s)
             url = f"http://127.0.0.1:{port}/retrieve"
@@ -231,7 +231,9 @@ def server_mode(args: argparse.Namespace) -> dict:
 
             row = asyncio.run(run())
             rss.append(server_rss_mib(server.pid)[0])
-            row["server_alive_after"] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+            row["server_alive_after"] = health.status_code == 200
+            row["health_after"] = health.json()  # one worker's: its index digest, cache statistics, pending
         finally:
             server.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -286,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--queries", type=Path, default=None, help="soak queries: JSON Lines with 'query' (default: HotpotQA)"
     )
+    parser.add_argument("--serve-override", nargs="*", default=[], help="dspo-serve overrides, e.g. cache_size=0")
     parser.add_argument("--load-timeout-s", type=float, default=600.0, help="wait this long for the server's /health")
     add_output_arguments(parser, "retrieval.json")
     parser.add_argument(
