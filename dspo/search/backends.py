@@ -21,7 +21,9 @@ import numpy as np
 from dspo.search.prune import CscMatrix, pruned_top_k
 from dspo.search.streamed import TERM_MAX
 
-PRUNE_MIN_DOCS = 200_000
+# measured on one core (bench/_scale.py queries): at 1M passages the dense row answers 301 queries/s and MaxScore 221
+# (the row is cheap there); at 5M MaxScore answers 66 queries/s while the row costs 40 MB per query
+PRUNE_MIN_DOCS = 2_000_000
 
 
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
