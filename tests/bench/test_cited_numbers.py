@@ -220,11 +220,67 @@ for name, row, ms, overhead in FRAMEWORK_ROWS:
         CITED.append(("docs/agents.md", row, overhead, "frameworks.json", framework(name, "overhead_ms_per_call")))
 
 
+def scale(passages: int, backend: str, key: str):
+    return lambda d: next(r[key] for r in d["scale"] if (r["passages"], r["backend"]) == (passages, backend))
+
+
+WIKI18 = 21_015_324
+CITED += [
+    ("docs/search.md", "| **1,420 s** | **4.42 GiB**", "1420", "retrieval.json", scale(WIKI18, "tantivy", "build_s")),
+    (
+        "docs/search.md",
+        "| **1,420 s** | **4.42 GiB**",
+        "4.42",
+        "retrieval.json",
+        scale(WIKI18, "tantivy", "build_peak_rss_gib"),
+    ),
+    (
+        "docs/search.md",
+        "with workers: 4.51)",
+        "4.51",
+        "retrieval.json",
+        scale(WIKI18, "tantivy", "build_peak_anon_tree_gib"),
+    ),
+    ("docs/search.md", "18.4 GiB (3.33) | **36** |", "36", "retrieval.json", scale(WIKI18, "tantivy", "qps_single")),
+    ("docs/search.md", "| **36** | 22 ms | **96 ms** |", "96", "retrieval.json", scale(WIKI18, "tantivy", "p99_ms")),
+    (
+        "docs/search.md",
+        "| 5,000,000 | bm25s | 390 s |",
+        "66",
+        "retrieval.json",
+        scale(5_000_000, "bm25s", "qps_single"),
+    ),
+    (
+        "docs/search.md",
+        "| 1,000,000 | tantivy | 67 s |",
+        "669",
+        "retrieval.json",
+        scale(1_000_000, "tantivy", "qps_single"),
+    ),
+    (
+        "docs/search.md",
+        "with the default cache, 2,712 queries/s",
+        "2712",
+        "retrieval.json",
+        lambda d: d["soak_21m_cached"]["queries_per_s"],
+    ),
+    (
+        "docs/search.md",
+        "without the cache (`cache_size=0`, 3 minutes), 40",
+        "40",
+        "retrieval.json",
+        lambda d: d["soak_21m_uncached"]["queries_per_s"],
+    ),
+]
+
+
 # bench/README.md's Lucene agreement table: (corpus, backend, k1, the row's cells from `questions` on)
 LUCENE_SETTING = {1.2: "1.2, 0.75 (Lucene default)", 0.9: "0.9, 0.4 (pyserini default)"}
 LUCENE_ROWS = [
     ("hotpotqa_dev500", "bm25s", 1.2, "500 | 0.987 | 0.942 | 0.654 | 0.654 | 29: 29 / 0 / 0 | 1.000 |"),
     ("hotpotqa_dev500", "rank_bm25", 1.2, "500 | 0.987 | 0.942 | 0.654 | 0.654 | 29: 29 / 0 / 0 | 1.000 |"),
+    ("hotpotqa_dev500", "tantivy", 1.2, "500 | 1.000 | 1.000 | 0.654 | 0.654 | 0: 0 / 0 / 0 | 0.942 |"),
+    ("toy_world", "tantivy", 1.2, "400 | 1.000 | 1.000 | 0.750 | 0.750 | 0: 0 / 0 / 0 | 1.000 |"),
     ("hotpotqa_dev500", "bm25s", 0.9, "500 | 0.990 | 0.946 | 0.649 | 0.647 | 27: 27 / 0 / 0 | 1.000 |"),
     ("hotpotqa_dev500", "rank_bm25", 0.9, "500 | 0.990 | 0.946 | 0.649 | 0.647 | 27: 27 / 0 / 0 | 1.000 |"),
     ("toy_world", "bm25s", 1.2, "400 | 1.000 | 1.000 | 0.750 | 0.750 | 0: 0 / 0 / 0 | 1.000 |"),
