@@ -44,15 +44,16 @@ class CachedRetriever:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["retriever"], state["max_entries"])
 
-    def _key(self, query: str, k: int) -> tuple:
+    def _key(self, query: str, k: int, digest: str | None) -> tuple:
         tokenizer = getattr(self.retriever, "tokenizer", None)
         words = tuple(tokenizer(query)) if tokenizer is not None else (" ".join(query.split()),)
-        return words, k, getattr(self.retriever, "digest", None)
+        return words, k, digest
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         if isinstance(queries, str):
             raise TypeError("search() takes a list of queries, not a single string")
-        keys = [self._key(query, k) for query in queries]
+        digest = getattr(self.retriever, "digest", None)  # once per call: an index computes it by hashing
+        keys = [self._key(query, k, digest) for query in queries]
         found: dict[tuple, list[Passage]] = {}
         with self._lock:
             for key in dict.fromkeys(keys):
