@@ -12,6 +12,8 @@
         --out bench/results/compaction_learning.json --figure docs/compaction.png  # overflow end vs compact (issue 43)
     python bench/environments.py --run --setups deep_k1 deep_k1_partial --out bench/results/partial_rollouts.json \
         --figure docs/partial_rollouts.png            # one round ahead, with and without partial rollouts (issue 43)
+    python bench/environments.py --run --setups selfplay selfplay_qa --out bench/results/selfplay.json \
+        --figure docs/selfplay.png                    # search self-play against supervised RL (issue 57)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
 A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
@@ -69,6 +71,15 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     # that stop once enough groups finished and carry the rest (docs/training.md#partial-rollouts)
     "deep_k1": ["experiment=toy_deep", "rollout.max_staleness=1"],
     "deep_k1_partial": ["experiment=toy_deep", "rollout.max_staleness=1", "rollout.partial_rollouts=true"],
+    # search self-play from the corpus alone (issue 57): proposer and solver roles of one policy, no QA training split,
+    # against `search` (supervised RL on the toy's QA split) at the same steps
+    "selfplay": ["experiment=toy_selfplay"],
+    # the control: supervised RL on the QA split from self-play's own warm start (one role, the default agent)
+    "selfplay_qa": [
+        "experiment=toy_selfplay",
+        "rollout/agent=default",
+        "data.train_files=[${paths.toy_root}/world/train.jsonl]",
+    ],
 }
 DEEP_SETUPS = ["deep", "deep_shipped_warmstart"]
 EXAMPLES = ROOT / "docs" / "examples"  # on PYTHONPATH for every run: env=agent's function lives there
@@ -86,6 +97,10 @@ SIGNALS = (
     "rollout/partial_share",
     "rollout/carried_groups",
     "rollout/token_staleness_mean",
+    "rollout/proposer/valid_share",  # experiment=toy_selfplay: proposals kept by the check, of all proposer episodes
+    "rollout/proposer/difficulty",  # ... the solver's failure rate on the kept ones
+    "rollout/proposer/invalid/check_failed",
+    "rollout/proposer/invalid/no_question",
 )
 WINDOW = 10  # rounds averaged at the start and at the end of a run
 PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.png
@@ -114,6 +129,12 @@ PARTIAL_PANELS = [  # rollout.max_staleness=1 with and without partial rollouts,
 ]
 # each study's two arms apart (the cycle's tenth and eleventh look alike)
 COLORS = {"tight_end": "C3", "tight_compact": "C0", "deep_k1": "C3", "deep_k1_partial": "C0"}
+SELFPLAY_PANELS = [  # search self-play against supervised RL, docs/selfplay.png
+    ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "selfplay_qa", "selfplay"]),
+    ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "selfplay_qa", "selfplay"]),
+    ("proposals kept by the check", "rollout/proposer/valid_share", ["selfplay"]),
+    ("solver failure rate on kept proposals", "rollout/proposer/difficulty", ["selfplay"]),
+]
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
     ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),
     ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "agent"]),
@@ -269,6 +290,8 @@ def plot(root: Path, result: dict, path: Path) -> None:
         panels = TIGHT_PANELS
     elif set(result) <= set(PARTIAL_SETUPS):
         panels = PARTIAL_PANELS
+    elif "selfplay" in result:
+        panels = SELFPLAY_PANELS
     else:
         panels = PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))

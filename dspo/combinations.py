@@ -61,6 +61,11 @@ PLANNER = Setting(
     lambda c: _select(c, "env.reward._target_") == "dspo.env.planner.PlannerReward",
     "env=planner",
 )
+ROLES = Setting(
+    "rollout.agent._target_",
+    lambda c: _select(c, "rollout.agent._target_") == "dspo.agent.roles.RoleAgent",
+    "roles in a round",
+)
 SEQUENCE_OBJECTIVE = Setting(
     "algorithm.loss",
     lambda c: _objective(c) is not None and not _objective(c).token_advantages,
@@ -130,6 +135,18 @@ REFUSED: tuple[Refusal, ...] = (
         PLANNER,
         "the planner's reward (the answerer's outcome, the plan's quality, its cost) is known when the episode ends, "
         "so no turn has a reward of its own; use env.reward.credit=trajectory",
+    ),
+    Refusal(
+        ROLES,
+        PARTIAL,
+        "an episode carried into the next round would leave its role's later roles without it (a solver's question "
+        "is built from a finished proposer episode in the same call); set rollout.partial_rollouts=false",
+    ),
+    Refusal(
+        ROLES,
+        ENDPOINT,
+        "the endpoint serves one agent written against the OpenAI API, and roles are agents of their own; unset "
+        "env.agent (each role's agent is rollout.agent.roles.<i>.agent)",
     ),
     Refusal(
         TOKEN_CORRECTION,

@@ -80,6 +80,14 @@ SWITCHES: tuple[Switch, ...] = (
         {"search": (), "goal_reflect": GOAL_REFLECT, "planner": ("env=planner",)},
         {"planner": (("credit", "turn"),)},
     ),
+    # experiment=toy_selfplay: a proposer and a solver role of one policy (rollout/agent=selfplay), topics as the data,
+    # its own warm start (shipped, adopted); roles play their episodes to the end in one call and are no endpoint agent
+    Switch(
+        "roles",
+        "rollout.agent._target_",
+        {"one": (), "selfplay": ("experiment=toy_selfplay",)},
+        {"selfplay": (("partial", "on"), ("agent", "endpoint"))},
+    ),
     Switch("lora", "model.lora.r", {"off": (), "r4": ("model.lora.r=4",)}),
     Switch(
         "credit",
@@ -186,7 +194,7 @@ def test_the_covering_design_covers_every_allowed_pair_and_no_refused_one():
     allowed = {frozenset({a, b}) for a, b in itertools.combinations(settings, 2) if a[0] != b[0]} - refused
     covered = {frozenset(p) for row in ROWS for p in itertools.combinations(row.items(), 2)}
     assert allowed <= covered and not covered & refused
-    assert len(ROWS) <= 12  # 13 switches, 2 values each (env: 3): a pairwise design is ~8-12 runs, not 2^13
+    assert len(ROWS) <= 12  # 14 switches, 2 values each (env: 3): a pairwise design is ~8-12 runs, not 2^14
 
 
 @pytest.mark.parametrize("pair", sorted(refused_pairs(), key=sorted), ids=lambda p: "+".join(map("=".join, sorted(p))))

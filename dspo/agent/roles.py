@@ -21,6 +21,7 @@ un-prefixed ones merged over the roles by their kinds, and `settle`'s own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,9 @@ class Role:
             tool-calling loop), on the run's engine and tokenizer.
         env: its environment (tools + reward; None: the run's `env`).
         derive: builds its items from the parts played before it (None for the first role, required for the others).
+            A derive with `bind(engine, tokenizer)` gets the policy's engine when the agent is built (to run the
+            policy, as SSP's check does: `dspo.agent.selfplay`), one with `stat_kinds` and `last_stats` adds what it
+            measured of each call to the round's statistics.
     """
 
     def __init__(self, name: str, agent: Any = None, env: Any = None, derive: Derive | None = None) -> None:
@@ -78,6 +82,8 @@ class RoleAgent:
     roles: the roles, in playing order; the first plays the round's items.
     settle: run after every role played, on all parts: rewrites rewards across roles, returns statistics.
     answer_role: the role that answers held-out questions (validation, test, dspo-eval; default: the last one).
+    **settings: the tool-calling loop's settings (`rollout.agent.max_turns`, `temperature`, `tag_format`, ...) for
+        every role whose `agent` is None; a role with an agent of its own keeps that agent's.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class RoleAgent:
         roles: Sequence[Role],
         settle: Settle | None = None,
         answer_role: str | None = None,
+        **settings: Any,
     ) -> None:
         self.roles = list(roles)
         check_roles(self.roles)
@@ -95,14 +102,27 @@ class RoleAgent:
         if answer_role is not None and answer_role not in names:
             raise ValueError(f"rollout.agent.answer_role={answer_role!r}: not one of the roles {names}")
         self.env, self.settle, self.answer_role = env, settle, answer_role or names[-1]
+        self.settings = settings
         self.agents: dict[str, Agent] = {
-            role.name: build_agent(role.agent, engine=engine, tokenizer=tokenizer, env=role.env or env)
+            role.name: build_agent(self._agent_of(role), engine=engine, tokenizer=tokenizer, env=role.env or env)
             for role in self.roles
         }
+        for role in self.roles:  # a derive that runs the policy (SSP's check) gets its engine
+            if callable(getattr(role.derive, "bind", None)):
+                role.derive.bind(engine=engine, tokenizer=tokenizer)
         kinds = [getattr(agent, "stat_kinds", CALL_STAT_KINDS) for agent in self.agents.values()]
         self.stat_kinds: dict[str, Kind] = {**_union(kinds), **getattr(settle, "stat_kinds", {})}
+        for role in self.roles:
+            self.stat_kinds.update(getattr(role.derive, "stat_kinds", {}))
         for name, agent_kinds in zip(names, kinds):
             self.stat_kinds.update({f"{name}/{key}": kind for key, kind in agent_kinds.items()})
+
+    def _agent_of(self, role: Role) -> Any:
+        if role.agent is not None or not self.settings:
+            return role.agent
+        from dspo.agent.tool_calling import ToolCallingAgent
+
+        return functools.partial(ToolCallingAgent, **self.settings)
 
     @property
     def answerer(self) -> Agent:
@@ -128,6 +148,8 @@ class RoleAgent:
             role_seed = None if seed is None else seed + position * ROLE_SEED_STRIDE
             parts.append(self._play(role, role_items, group_size, policy_version, greedy, role_seed, parts))
         extra = dict(self.settle(parts)) if self.settle is not None else {}
+        for role in self.roles[1:]:  # what a derive measured of this call (SSP's refusals by reason)
+            extra.update(getattr(role.derive, "last_stats", {}))
         return AgentRollout([group for part in parts for group in part.groups], {**merge_stats(parts), **extra})
 
     def _play(self, role: Role, items, group_size, policy_version, greedy, seed, earlier) -> RolePart:

@@ -112,7 +112,6 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     from hydra.utils import instantiate
 
     from dspo.agent import build_agent
-    from dspo.data.qa import load_qa
     from dspo.toy.tokenizer import load_tokenizer
 
     cfg = compose_train([f"paths.toy_root={Path(world.root).parent}", *overrides])
@@ -121,6 +120,15 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     agent = build_agent(instantiate(cfg.rollout.agent), engine=engine, tokenizer=load_tokenizer(model_dir), env=env)
     if "toy_3hop" in cfg.data.val_files:
         return measure_deep(agent, cfg.data, questions, group_size)
+    if hasattr(agent, "roles"):  # experiment=toy_selfplay: the solver as the default's, and the proposer
+        return measure_selfplay(agent, world, cfg.data, questions, group_size)
+    return measure_default(agent, world, questions, group_size)
+
+
+def measure_default(agent, world, questions: int = 200, group_size: int = 5) -> dict:
+    """The default's measures (`measure`) of `agent`."""
+    from dspo.data.qa import load_qa
+
     report: dict[str, dict[str, float]] = {"train_sampled": {}, "val_greedy": {}, "train_mixed_groups": {}}
     train = load_qa(world.train, benchmark="toy", limit=questions)
     rewards, mixed, outcomes = defaultdict(list), defaultdict(list), []
@@ -141,6 +149,24 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     if outcomes:
         report["train_2hop_outcomes"] = {k: round(outcomes.count(k) / len(outcomes), 4) for k in TWO_HOP_OUTCOMES}
     report["settings"] = {"train_questions": len(train), "group_size": group_size, "val_questions": len(val)}
+    return report
+
+
+def measure_selfplay(agent, world, data, questions: int = 200, group_size: int = 5) -> dict:
+    """experiment=toy_selfplay's measures: the solver's as the default's (sampled success on train questions, greedy
+    validation), and one self-play call on `questions` topics (G=`group_size`): the proposer's statistics (proposals
+    written, refused by reason, kept, the solver's failure rate on the kept ones, searches per proposer episode)."""
+    from dspo.data.qa import load_qa
+
+    report: dict = measure_default(agent.answerer, world, questions, group_size)
+    topics = load_qa(data.train_files[0], benchmark="selfplay", limit=questions)
+    result = agent.rollout(topics, group_size=group_size, policy_version=0, seed=1234)
+    report["proposer"] = {
+        key.removeprefix("proposer/"): round(float(value), 4)
+        for key, value in sorted(result.stats.items())
+        if key.startswith("proposer/")
+    }
+    report["settings"]["topics"] = len(topics)
     return report
 
 

@@ -49,6 +49,7 @@ from dspo.toy.drills import recall_examples
 from dspo.toy.model import build_tiny_model
 from dspo.toy.renaming import fresh_names, renamed_world
 from dspo.toy.render import demo_agent, demo_environment, render_demonstrations, toy_retriever
+from dspo.toy.selfplay import render_proposer_demonstrations
 from dspo.toy.sft import demo_examples, train_sft
 from dspo.toy.shipped import adopt_shipped
 from dspo.toy.tokenizer import load_tokenizer, train_tokenizer
@@ -133,6 +134,10 @@ class WarmStartConfig:
     # results lack the page)
     goal_reflect: bool = False
     goal_reflect_noise: float = 0.0
+    # experiment=toy_selfplay (dspo.toy.selfplay): proposer demonstrations join the solver's (one per demo question,
+    # in the proposer's instruction), plus `proposer_renamings` renamed copies of them
+    proposer_demos: bool = False
+    proposer_renamings: int = 0
 
     def __post_init__(self) -> None:
         self.imperfect_kinds = list(check_imperfect_kinds(self.imperfect_kinds))
@@ -146,7 +151,7 @@ class WarmStartConfig:
             share = getattr(self, name)
             if share is not None and not 0.0 <= share <= 1.0:
                 raise ValueError(f"WarmStartConfig.{name} must be in [0, 1], got {share}")
-        for name in ("deep_demos", "deep_renamings"):
+        for name in ("deep_demos", "deep_renamings", "proposer_renamings"):
             if getattr(self, name) < 0:
                 raise ValueError(f"WarmStartConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -158,7 +163,7 @@ def _digest(obj: object) -> str:
 # fields added after the shipped warm start was built: left out of its key at their defaults, so that the shipped
 # model (data/toy_warmstart) still matches the default config
 _LATER_FIELDS = {"sources": None, "right_tool_share": 1.0, "init_model": None, "deep_demos": 0, "deep_renamings": 0}
-_LATER_FIELDS |= {"goal_reflect": False, "goal_reflect_noise": 0.0}
+_LATER_FIELDS |= {"goal_reflect": False, "goal_reflect_noise": 0.0, "proposer_demos": False, "proposer_renamings": 0}
 
 
 def config_key(config: WarmStartConfig) -> str:
@@ -302,6 +307,16 @@ def warm_start(
     for copy, subset in enumerate(copies):
         meta, index, renamed = renamed_world(world_meta, passages, subset, fresh_names(world_meta, pieces, rng))
         demos += render(renamed, meta, index, config.seed + 1 + copy)
+    if config.proposer_demos:  # after every copy above, on seeds of their own: those stay what they were
+        demos += render_proposer_demonstrations(
+            items, world_meta, tokenizer, index, config.seed + _PROPOSER_SEED, config.agent
+        )
+        for copy in range(config.proposer_renamings):
+            meta, renamed_index, renamed = renamed_world(
+                world_meta, passages, items, fresh_names(world_meta, pieces, rng)
+            )
+            seed = config.seed + _PROPOSER_SEED + 1 + copy
+            demos += render_proposer_demonstrations(renamed, meta, tokenizer, renamed_index, seed, config.agent)
     rendered = time.perf_counter()
     name_ids = set(tokenizer.convert_tokens_to_ids(words))
     stages = [
@@ -346,6 +361,7 @@ def _torch_threads(count: int | None) -> Iterator[None]:
 
 
 _DEEP_SEED = 10_000  # offset of the deep demonstrations' script seed (renamed copies use seed + 1 + copy)
+_PROPOSER_SEED = 20_000  # ... and of the proposer demonstrations'
 
 
 def deep_demo_items(world: ToyWorldFiles, limit: int) -> list[QAItem]:

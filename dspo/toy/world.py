@@ -321,6 +321,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def _files(root: Path) -> ToyWorldFiles:
     per_hop = {f"{s}_{h}hop": str(root / f"{s}_{h}hop.jsonl") for s in HOP_SPLITS for h in (1, 2)}
     per_hop |= deep_files(root)  # val_3hop ... test_4hop, train_deep (dspo.toy.deep)
+    per_hop["seeds"] = str(root / "seeds.jsonl")  # experiment=toy_selfplay's topics (train_seeds)
     return ToyWorldFiles(
         root=str(root),
         train=str(root / "train.jsonl"),
@@ -358,6 +359,7 @@ def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwr
             _write_jsonl(Path(files.extra[f"{split}_{hops}hop"]), rows)
     _write_jsonl(Path(files.corpus), corpus)
     _write_deep(files, ents, corpus, qa["train"], config.seed)
+    _write_jsonl(Path(files.extra["seeds"]), train_seeds(ents, config.seed))
     meta = {"entities": ents, "name_words": words, "name_pools": pools}
     Path(files.meta).write_text(json.dumps(meta, ensure_ascii=False))
     stats = {s: len(qa[s]) for s in SPLITS} | {"passages": len(corpus)}
@@ -376,6 +378,24 @@ def _write_deep(files: ToyWorldFiles, ents: dict, corpus: list[dict], train: lis
     random.Random(f"toyworld-deep-train-{seed}").shuffle(mixed)
     _write_jsonl(Path(files.extra["train_deep"]), mixed)
     _write_jsonl(Path(files.extra["demo_deep"]), deep_demo_questions(ents, corpus, seed))  # the deep warm start's
+
+
+def train_seeds(ents: dict, seed: int) -> list[dict]:
+    """Search self-play's topics (experiment=toy_selfplay): the train split's pages that a question can be asked
+    about (every entity type but the landmarks), one row each, in a seeded order. The QA format needs a gold answer, so
+    `golden_answers` holds the topic itself: the proposer's reward never reads it (`dspo.env.proposals`)."""
+    asked = {path[0] for path in _QUESTIONS}
+    names = sorted(name for name, e in ents.items() if e["split"] == "train" and e["type"] in asked)
+    random.Random(f"toyworld-seeds-{seed}").shuffle(names)
+    return [
+        {
+            "id": f"toy-seed-{i}",
+            "question": name,
+            "golden_answers": [name],
+            "metadata": {"topic_type": ents[name]["type"]},
+        }
+        for i, name in enumerate(names)
+    ]
 
 
 def load_world_meta(files: ToyWorldFiles | str) -> dict[str, dict]:

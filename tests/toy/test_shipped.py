@@ -56,6 +56,27 @@ def test_toy_deep_adopts_its_shipped_model_without_training(tmp_path, monkeypatc
     assert Path(world.extra["demo_deep"]).is_file()
 
 
+def test_toy_selfplay_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
+    """experiment=toy_selfplay adopts data/toy_selfplay_warmstart/model (the shipped model fine-tuned on proposer
+    demonstrations too) and the default's tokenizer; its world carries the topics it trains on."""
+
+    def no_sft(*args, **kwargs):
+        raise AssertionError(
+            "experiment=toy_selfplay no longer matches data/toy_selfplay_warmstart: run "
+            "python -m dspo.toy.rebuild --update-shipped -- experiment=toy_selfplay"
+        )
+
+    monkeypatch.setattr(warmstart, "train_sft", no_sft)
+    cfg = compose_train(["experiment=toy_selfplay", f"paths.toy_root={tmp_path / 'toy'}"])
+    world, model_dir = instantiate(cfg.prepare.toyworld)
+    shipped = data_dir() / "toy_selfplay_warmstart"
+    assert (Path(model_dir) / warmstart.MANIFEST).read_text() == (shipped / "model" / warmstart.MANIFEST).read_text()
+    assert not (shipped / "tokenizer").exists()  # the default's, not a copy
+    assert Path(world.extra["seeds"]).is_file()
+    report = json.loads((shipped / "report.json").read_text())
+    assert 0.0 < report["proposer"]["valid_share"] < 1.0  # some proposals pass the check: the proposer's groups mix
+
+
 def test_adoption_requires_a_matching_manifest(tmp_path) -> None:
     shipped = tmp_path / "shipped"
     shipped.mkdir()

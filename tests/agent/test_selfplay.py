@@ -1,0 +1,96 @@
+"""Search self-play's solver items (issue 57, part 2): the proposer's questions kept only when the policy answers them
+right from the proposer's documents (the retrieval-augmented check), refused proposals counted by reason, and the
+proposer paid by the solver's failure rate, through real tool-calling agents on one scripted engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspo.agent import build_agent
+from dspo.agent.roles import FailureRateReward, Role, RoleAgent, origin
+from dspo.agent.selfplay import VerifiedProposals
+from dspo.engines.scripted import ScriptedEngine
+from dspo.env import Environment
+from dspo.env.proposals import proposer_environment
+from dspo.types import QAItem
+
+LOOP = {"_target_": "dspo.agent.tool_calling.ToolCallingAgent", "tag_format": "searchr1", "max_turns": 3}
+FRANCE = "<question> What is the capital of France? </question>\n<answer> Paris </answer>"
+WRONG = "<question> Which city has the Eiffel Tower? </question>\n<answer> Berlin </answer>"  # its page says Paris
+
+
+class Script:
+    """Proposer episode e of the group: 0 searches and proposes a right question, 1 searches and proposes a wrong
+    answer, 2 proposes without searching, 3 searches and writes no question. The check answers what the evidence
+    says; the solver answers Paris in one episode of two."""
+
+    def __init__(self) -> None:
+        self.checks: list[str] = []
+
+    def __call__(self, prompt: str, turn: int, index: int) -> str:
+        if "Write a question" in prompt:
+            if index == 2:
+                return "<question> What is the capital of Germany? </question>\n<answer> Berlin </answer>"
+            if turn == 0:
+                return "<think>read</think>\n<search> Paris </search>"
+            return [FRANCE, WRONG, "", "<answer> Paris </answer>"][index]
+        if "<information>" in prompt and "<search> Paris </search>" in prompt and prompt.count("Question:") == 1:
+            self.checks.append(prompt)  # the check: the solver's prompt + the proposer's evidence
+            return "<answer> Paris </answer>"
+        return ["<answer> Paris </answer>", "<answer> Lyon </answer>"][index % 2]  # the solver, without searching
+
+
+def _agent(qwen_tokenizer, retriever, script, check: bool = True) -> RoleAgent:
+    env = Environment.search(retriever)
+    roles = [
+        Role("proposer", LOOP, proposer_environment(env.tools, "searchr1")),
+        Role("solver", LOOP, None, VerifiedProposals("proposer", "searchr1", check=check)),
+    ]
+    return build_agent(
+        lambda engine, tokenizer, env: RoleAgent(engine, tokenizer, env, roles, settle=FailureRateReward()),
+        engine=ScriptedEngine(qwen_tokenizer, script),
+        tokenizer=qwen_tokenizer,
+        env=env,
+    )
+
+
+def test_only_checked_proposals_become_the_solvers_questions_and_refusals_are_counted(qwen_tokenizer, retriever):
+    script = Script()
+    result = _agent(qwen_tokenizer, retriever, script).rollout([QAItem("t0", "Paris", ["Paris"])], 4, 0)
+    proposer, *solver = result.groups
+    assert [g.role for g in result.groups] == ["proposer", "solver"]  # only episode 0's proposal passed
+    (built,) = solver
+    assert built.item.question == "What is the capital of France?" and built.item.golden_answers == ["Paris"]
+    assert origin(built.item) == ("proposer", 0, 0)
+    assert [t.reward for t in built.trajectories] == [1.0, 0.0, 1.0, 0.0]
+    assert [t.reward for t in proposer.trajectories] == [0.5, 0.0, 0.0, 0.0]  # the solver failed 2 of 4
+    stats = result.stats
+    assert stats["proposer/invalid/check_failed"] == stats["proposer/invalid/no_search"] == 0.25
+    assert stats["proposer/invalid/no_question"] == 0.25 and stats["proposer/invalid/answer_in_question"] == 0.0
+    assert stats["proposer/checked"] == 0.5 and stats["proposer/valid_share"] == 0.25
+    assert stats["proposer/difficulty"] == 0.5
+    assert stats["proposer/reward/proposal_formed"] == 0.75  # 0, 1 and 2 wrote a question and an answer
+    # the check read the solver's first prompt for the question, then the proposer's episode up to its final turn
+    assert len(script.checks) == 2
+    for prompt in script.checks:
+        assert "Write a question" not in prompt and "Answer the given question" in prompt
+        assert prompt.rstrip().endswith("</information>")
+    assert "Question: What is the capital of France?" in script.checks[0]
+    assert "Question: Which city has the Eiffel Tower?" in script.checks[1]
+
+
+def test_without_the_check_every_searched_well_formed_proposal_is_kept(qwen_tokenizer, retriever):
+    script = Script()
+    result = _agent(qwen_tokenizer, retriever, script, check=False).rollout([QAItem("t0", "Paris", ["Paris"])], 4, 0)
+    solver = [g for g in result.groups if g.role == "solver"]
+    assert [g.item.golden_answers for g in solver] == [["Paris"], ["Berlin"]] and not script.checks
+    assert result.stats["proposer/invalid/check_failed"] == 0.0 and result.stats["proposer/checked"] == 0.0
+
+
+def test_a_derive_outside_a_role_agent_says_how_to_build_it():
+    with pytest.raises(RuntimeError, match="through RoleAgent"):
+        VerifiedProposals().check_prompt_ids("q?", None)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        VerifiedProposals(max_new_tokens=0)
+    with pytest.raises(ValueError, match="tag_format"):
+        VerifiedProposals(tag_format="json")
