@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,7 +149,9 @@ def train(setups: list[str], root: Path, seeds: str, extra: list[str]) -> None:
         if out.exists() and any(out.glob("*/metrics.yaml")):
             print(f"[{name}] runs already in {out}: skipped (delete the folder to train again)", flush=True)
             continue
-        cmd = ["dspo-train", "-m", f"seed={seeds}", *SETUPS[name], *extra, f"hydra.sweep.dir={out}"]
+        beside = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # this venv's, not activated
+        executable = shutil.which("dspo-train", path=beside) or "dspo-train"
+        cmd = [executable, "-m", f"seed={seeds}", *SETUPS[name], *extra, f"hydra.sweep.dir={out}"]
         print(f"[{name}] {' '.join(cmd)}", flush=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
         subprocess.run(cmd, check=True, env=env)
