@@ -19,6 +19,7 @@ from dspo.toy.shipped import adopt_shipped
 
 SHIPPED = data_dir() / "toy_warmstart"
 DEEP_SHIPPED = data_dir() / "toy_deep_warmstart"  # experiment=toy_deep's: the shipped model fine-tuned on deep chains
+SELFPLAY_SHIPPED = data_dir() / "toy_selfplay_warmstart"  # experiment=toy_selfplay's: ... on proposer demonstrations
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -36,44 +37,38 @@ def test_default_config_adopts_the_shipped_model_without_training(tmp_path, monk
     assert Path(world.extra["val_2hop"]).is_file()
 
 
-def test_toy_deep_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
-    """experiment=toy_deep adopts data/toy_deep_warmstart/model and the default's tokenizer: no ~10 min build."""
+def _adopt_without_training(experiment: str, folder: Path, tmp_path, monkeypatch):
+    """(world, model dir) of `experiment=<experiment>` built with SFT forbidden: its model must be `folder`'s, its
+    tokenizer the default's (no copy in `folder`)."""
 
     def no_sft(*args, **kwargs):
         raise AssertionError(
-            "experiment=toy_deep no longer matches data/toy_deep_warmstart: run "
-            "python -m dspo.toy.rebuild --update-shipped -- experiment=toy_deep"
+            f"experiment={experiment} no longer matches {folder.name}: run "
+            f"python -m dspo.toy.rebuild --update-shipped -- experiment={experiment}"
         )
 
     monkeypatch.setattr(warmstart, "train_sft", no_sft)
-    cfg = compose_train(["experiment=toy_deep", f"paths.toy_root={tmp_path / 'toy'}"])
+    cfg = compose_train([f"experiment={experiment}", f"paths.toy_root={tmp_path / 'toy'}"])
     world, model_dir = instantiate(cfg.prepare.toyworld)
-    shipped = (DEEP_SHIPPED / "model" / warmstart.MANIFEST).read_text()
-    assert (Path(model_dir) / warmstart.MANIFEST).read_text() == shipped
+    assert (Path(model_dir) / warmstart.MANIFEST).read_text() == (folder / "model" / warmstart.MANIFEST).read_text()
     tokenizer = Path(model_dir).parent / "tokenizer" / "dspo_tokenizer.json"
     assert tokenizer.read_text() == (SHIPPED / "tokenizer" / "dspo_tokenizer.json").read_text()
-    assert not (DEEP_SHIPPED / "tokenizer").exists()  # the default's, not a copy
+    assert not (folder / "tokenizer").exists()  # the default's, not a copy
+    return world, model_dir
+
+
+def test_toy_deep_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
+    """experiment=toy_deep adopts data/toy_deep_warmstart/model and the default's tokenizer: no ~10 min build."""
+    world, _ = _adopt_without_training("toy_deep", DEEP_SHIPPED, tmp_path, monkeypatch)
     assert Path(world.extra["demo_deep"]).is_file()
 
 
 def test_toy_selfplay_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
     """experiment=toy_selfplay adopts data/toy_selfplay_warmstart/model (the shipped model fine-tuned on proposer
-    demonstrations too) and the default's tokenizer; its world carries the topics it trains on."""
-
-    def no_sft(*args, **kwargs):
-        raise AssertionError(
-            "experiment=toy_selfplay no longer matches data/toy_selfplay_warmstart: run "
-            "python -m dspo.toy.rebuild --update-shipped -- experiment=toy_selfplay"
-        )
-
-    monkeypatch.setattr(warmstart, "train_sft", no_sft)
-    cfg = compose_train(["experiment=toy_selfplay", f"paths.toy_root={tmp_path / 'toy'}"])
-    world, model_dir = instantiate(cfg.prepare.toyworld)
-    shipped = data_dir() / "toy_selfplay_warmstart"
-    assert (Path(model_dir) / warmstart.MANIFEST).read_text() == (shipped / "model" / warmstart.MANIFEST).read_text()
-    assert not (shipped / "tokenizer").exists()  # the default's, not a copy
+    demonstrations too); its world carries the topics it trains on, and its report shows proposals that mix."""
+    world, _ = _adopt_without_training("toy_selfplay", SELFPLAY_SHIPPED, tmp_path, monkeypatch)
     assert Path(world.extra["seeds"]).is_file()
-    report = json.loads((shipped / "report.json").read_text())
+    report = json.loads((SELFPLAY_SHIPPED / "report.json").read_text())
     assert 0.0 < report["proposer"]["valid_share"] < 1.0  # some proposals pass the check: the proposer's groups mix
 
 
