@@ -205,3 +205,18 @@ def test_a_role_agent_is_built_from_its_config_as_any_agent():
     assert isinstance(agent, RoleAgent) and list(agent.agents) == ["proposer", "solver"]
     result = agent.rollout(toy_items(2), 4, 0, seed=1)
     assert {g.role for g in result.groups} == {"proposer", "solver"} and "proposer/valid_share" in result.stats
+
+
+def test_roles_without_an_agent_of_their_own_play_the_loop_with_the_settings_given_beside_them(
+    qwen_tokenizer, retriever
+):
+    """`rollout.agent.max_turns=2` (a setting beside `roles`) reaches every role whose agent is unset; a role with an
+    agent of its own keeps that agent's settings."""
+    own = {"_target_": "dspo.agent.tool_calling.ToolCallingAgent", "tag_format": "searchr1", "max_turns": 5}
+    roles = [Role("proposer"), Role("solver", own, derive=_copies)]
+    engine = ScriptedEngine(qwen_tokenizer, lambda prompt, turn, index: "<answer> x </answer>")
+    agent = RoleAgent(engine, qwen_tokenizer, Environment.search(retriever), roles, max_turns=2, tag_format="qwen")
+    proposer, solver = agent.agents["proposer"], agent.agents["solver"]
+    assert isinstance(proposer, ToolCallingAgent) and proposer.config.max_turns == 2
+    assert proposer.config.tag_format == "qwen"
+    assert solver.config.max_turns == 5 and solver.config.tag_format == "searchr1"
