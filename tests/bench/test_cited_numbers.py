@@ -205,7 +205,20 @@ CITED: list[Cited] = [
      lambda d: d["deep_k1_partial"]["mean_ci95"]["trainer_wait_total_s"][0]),
     ("README.md", "the trainer waited 17 s instead of 27 s", "27", "partial_rollouts.json",
      lambda d: d["deep_k1"]["mean_ci95"]["trainer_wait_total_s"][0]),
+    ("docs/environments.md", "| 0 | 0.845 ± 0.066 |", "0.845", "planner_front.json",
+     lambda d: _front(d, "0")["utility"]),
+    ("docs/environments.md", "| 1.0 | 0.627 ± 0.477 |", "0.627", "planner_front.json",
+     lambda d: _front(d, "1.0")["utility"]),
+    ("docs/environments.md", "| 1.0 | 0.627 ± 0.477 | 0.415 → 0.498 ± 0.488 | 0.220 ± 0.947 | 0.73 ± 0.51 |", "0.73",
+     "planner_front.json", lambda d: _front(d, "1.0")["searches"]),
+    ("docs/environments.md", "| 0 | 0.845 ± 0.066 | 0.415 → 0.827 ± 0.075 | 0.860 ± 0.174 | 1.47 ± 0.09 |", "1.47",
+     "planner_front.json", lambda d: _front(d, "0")["searches"]),
 ]  # fmt: skip
+def _front(d: dict, cost: str) -> dict:
+    """planner_front.json's front row of `env.reward.cost.search=<cost>`."""
+    return next(row for row in d["front"] if row["group"] == f"env.reward.cost.search={cost}")
+
+
 # docs/agents.md's framework table: (framework, its row's cells, ms per call, overhead per call or None)
 FRAMEWORK_ROWS = [
     ("openai_agent", "| kept | 1 | 2.5 | - |", "2.5", None),
@@ -308,7 +321,7 @@ def test_cited_number_is_in_its_results_file(doc, text, number, results, figure)
 
 def test_every_cited_performance_file_is_stamped() -> None:
     learning = {"correction.json", "agent_learning.json", "toy_deep.json", "toy_deep_warm.json"}
-    learning.update({"compaction_learning.json", "partial_rollouts.json", "search_toy.json"})
+    learning.update({"compaction_learning.json", "partial_rollouts.json", "search_toy.json", "planner_front.json"})
     cited = {c[3] for c in CITED} - learning
     assert cited <= set(STAMPS), f"performance results cited but not stamped: {sorted(cited - set(STAMPS))}"
 
