@@ -12,7 +12,7 @@
         --out bench/results/compaction_learning.json --figure docs/compaction.png  # overflow end vs compact (issue 43)
     python bench/environments.py --run --setups deep_k1 deep_k1_partial --out bench/results/partial_rollouts.json \
         --figure docs/partial_rollouts.png            # one round ahead, with and without partial rollouts (issue 43)
-    python bench/environments.py --run --setups selfplay selfplay_qa --out bench/results/selfplay.json \
+    python bench/environments.py --run --setups selfplay selfplay_qa selfplay_loose --out bench/results/selfplay.json \
         --figure docs/selfplay.png                    # search self-play against supervised RL (issue 57)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
@@ -75,6 +75,9 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     # search self-play from the corpus alone (issue 57): proposer and solver roles of one policy, no QA training split,
     # against `search` (supervised RL on the toy's QA split) at the same steps
     "selfplay": ["experiment=toy_selfplay"],
+    # the same without the on-topic rule (a question must name its topic and hold no markup): what the proposer learned
+    # then (docs/environments.md); measured before the rule existed (commit 254f71d), seeds 0 and 1
+    "selfplay_loose": ["experiment=toy_selfplay", "rollout.agent.roles.1.derive.on_topic=false"],
     # the control: supervised RL on the QA split from self-play's own warm start (one role, the default agent)
     "selfplay_qa": [
         "experiment=toy_selfplay",
@@ -102,6 +105,9 @@ SIGNALS = (
     "rollout/proposer/difficulty",  # ... the solver's failure rate on the kept ones
     "rollout/proposer/invalid/check_failed",
     "rollout/proposer/invalid/no_question",
+    "rollout/proposer/invalid/off_topic",
+    "rollout/proposer/invalid/malformed_question",
+    "rollout/solver/outcome_mean",
 )
 WINDOW = 10  # rounds averaged at the start and at the end of a run
 PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.png
@@ -131,10 +137,10 @@ PARTIAL_PANELS = [  # rollout.max_staleness=1 with and without partial rollouts,
 # each study's two arms apart (the cycle's tenth and eleventh look alike)
 COLORS = {"tight_end": "C3", "tight_compact": "C0", "deep_k1": "C3", "deep_k1_partial": "C0"}
 SELFPLAY_PANELS = [  # search self-play against supervised RL, docs/selfplay.png
-    ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "selfplay_qa", "selfplay"]),
-    ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "selfplay_qa", "selfplay"]),
-    ("proposals kept by the check", "rollout/proposer/valid_share", ["selfplay"]),
-    ("solver failure rate on kept proposals", "rollout/proposer/difficulty", ["selfplay"]),
+    ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "selfplay_qa", "selfplay", "selfplay_loose"]),
+    ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "selfplay_qa", "selfplay", "selfplay_loose"]),
+    ("proposals kept by the check", "rollout/proposer/valid_share", ["selfplay", "selfplay_loose"]),
+    ("solver failure rate on kept proposals", "rollout/proposer/difficulty", ["selfplay", "selfplay_loose"]),
 ]
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
     ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),

@@ -28,8 +28,17 @@ from dspo.engines.base import SamplingConfig
 from dspo.env.answerer import ANSWER_STOPS
 from dspo.env.proposals import parse_proposal
 from dspo.env.rewards import extract_answer, subem_reward
+from dspo.metrics import normalize_answer
 
-REASONS = ("no_question", "no_answer", "answer_in_question", "no_search", "check_failed")
+REASONS = (
+    "no_question",
+    "no_answer",
+    "answer_in_question",
+    "malformed_question",
+    "off_topic",
+    "no_search",
+    "check_failed",
+)
 
 
 class VerifiedProposals:
@@ -39,6 +48,11 @@ class VerifiedProposals:
     tag_format, instruction: the solver's first prompt (its `rollout.agent.tag_format` and `env.instruction`; None:
         dspo's default for the tag format).
     check: run the retrieval-augmented check (False: every well-formed, searched proposal is kept; an ablation).
+    on_topic: refuse a question that holds markup (`<`, `>`: `malformed_question`) or does not name its topic (the
+        proposer's prompt, normalized, as a part of the normalized question: `off_topic`). Why: the check reads the
+        proposer's evidence, so it answers right whatever the question says; without this rule the toy's proposer
+        learned, within 40 steps, to write broken questions ("Where </ququestion>? </") about other pages, which the
+        check passed and the searching solver could not answer, a high "difficulty" for nothing (measured, docs).
     max_new_tokens: of the checker's answer turn.
     benchmark: the solver items' benchmark name (their statistics are the solver role's).
 
@@ -54,12 +68,14 @@ class VerifiedProposals:
         check: bool = True,
         max_new_tokens: int = 96,
         benchmark: str = "selfplay",
+        on_topic: bool = True,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"rollout.agent.roles.derive.max_new_tokens={max_new_tokens}: must be >= 1")
         build_messages("trial", tag_format, None, instruction)  # a bad tag format or instruction fails now
         self.proposer, self.tag_format, self.instruction = proposer, tag_format, instruction
         self.check, self.max_new_tokens, self.benchmark = check, max_new_tokens, benchmark
+        self.on_topic = on_topic
         self.engine: Any = None
         self.tokenizer: Any = None
         self.last_stats: dict[str, float] = {}
@@ -82,6 +98,9 @@ class VerifiedProposals:
         for g, group in enumerate(part.groups):
             for e, trajectory in enumerate(group.trajectories):
                 proposal, reason = parse_proposal(self._final_turn(trajectory))
+                if proposal is not None and self.on_topic:
+                    reason = off_topic(proposal.question, group.item.question)
+                    proposal = None if reason else proposal
                 if proposal is not None and trajectory.num_tool_calls == 0:
                     proposal, reason = None, "no_search"
                 if proposal is None:
@@ -136,3 +155,11 @@ class VerifiedProposals:
                 "policy's engine when it is built; build it through RoleAgent"
             )
         return self.tokenizer
+
+
+def off_topic(question: str, topic: str) -> str:
+    """ "" for a question about `topic`, else why not: `malformed_question` (it holds markup) or `off_topic` (it does not
+    name the topic)."""
+    if "<" in question or ">" in question:
+        return "malformed_question"
+    return "" if normalize_answer(topic) in normalize_answer(question) else "off_topic"

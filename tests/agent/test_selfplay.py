@@ -8,7 +8,7 @@ import pytest
 
 from dspo.agent import build_agent
 from dspo.agent.roles import FailureRateReward, Role, RoleAgent, origin
-from dspo.agent.selfplay import VerifiedProposals
+from dspo.agent.selfplay import VerifiedProposals, off_topic
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment
 from dspo.env.proposals import proposer_environment
@@ -16,7 +16,7 @@ from dspo.types import QAItem
 
 LOOP = {"_target_": "dspo.agent.tool_calling.ToolCallingAgent", "tag_format": "searchr1", "max_turns": 3}
 FRANCE = "<question> What is the capital of France? </question>\n<answer> Paris </answer>"
-WRONG = "<question> Which city has the Eiffel Tower? </question>\n<answer> Berlin </answer>"  # its page says Paris
+WRONG = "<question> Which city of France has the Eiffel Tower? </question>\n<answer> Berlin </answer>"  # page: Paris
 
 
 class Script:
@@ -30,7 +30,7 @@ class Script:
     def __call__(self, prompt: str, turn: int, index: int) -> str:
         if "Write a question" in prompt:
             if index == 2:
-                return "<question> What is the capital of Germany? </question>\n<answer> Berlin </answer>"
+                return "<question> What is the largest city of France? </question>\n<answer> Lyon </answer>"
             if turn == 0:
                 return "<think>read</think>\n<search> Paris </search>"
             return [FRANCE, WRONG, "", "<answer> Paris </answer>"][index]
@@ -40,11 +40,11 @@ class Script:
         return ["<answer> Paris </answer>", "<answer> Lyon </answer>"][index % 2]  # the solver, without searching
 
 
-def _agent(qwen_tokenizer, retriever, script, check: bool = True) -> RoleAgent:
+def _agent(qwen_tokenizer, retriever, script, check: bool = True, on_topic: bool = True) -> RoleAgent:
     env = Environment.search(retriever)
     roles = [
         Role("proposer", LOOP, proposer_environment(env.tools, "searchr1")),
-        Role("solver", LOOP, None, VerifiedProposals("proposer", "searchr1", check=check)),
+        Role("solver", LOOP, None, VerifiedProposals("proposer", "searchr1", check=check, on_topic=on_topic)),
     ]
     return build_agent(
         lambda engine, tokenizer, env: RoleAgent(engine, tokenizer, env, roles, settle=FailureRateReward()),
@@ -56,7 +56,7 @@ def _agent(qwen_tokenizer, retriever, script, check: bool = True) -> RoleAgent:
 
 def test_only_checked_proposals_become_the_solvers_questions_and_refusals_are_counted(qwen_tokenizer, retriever):
     script = Script()
-    result = _agent(qwen_tokenizer, retriever, script).rollout([QAItem("t0", "Paris", ["Paris"])], 4, 0)
+    result = _agent(qwen_tokenizer, retriever, script).rollout([QAItem("t0", "France", ["France"])], 4, 0)
     proposer, *solver = result.groups
     assert [g.role for g in result.groups] == ["proposer", "solver"]  # only episode 0's proposal passed
     (built,) = solver
@@ -67,6 +67,7 @@ def test_only_checked_proposals_become_the_solvers_questions_and_refusals_are_co
     stats = result.stats
     assert stats["proposer/invalid/check_failed"] == stats["proposer/invalid/no_search"] == 0.25
     assert stats["proposer/invalid/no_question"] == 0.25 and stats["proposer/invalid/answer_in_question"] == 0.0
+    assert stats["proposer/invalid/off_topic"] == stats["proposer/invalid/malformed_question"] == 0.0
     assert stats["proposer/checked"] == 0.5 and stats["proposer/valid_share"] == 0.25
     assert stats["proposer/difficulty"] == 0.5
     assert stats["proposer/reward/proposal_formed"] == 0.75  # 0, 1 and 2 wrote a question and an answer
@@ -76,12 +77,12 @@ def test_only_checked_proposals_become_the_solvers_questions_and_refusals_are_co
         assert "Write a question" not in prompt and "Answer the given question" in prompt
         assert prompt.rstrip().endswith("</information>")
     assert "Question: What is the capital of France?" in script.checks[0]
-    assert "Question: Which city has the Eiffel Tower?" in script.checks[1]
+    assert "Question: Which city of France has the Eiffel Tower?" in script.checks[1]
 
 
 def test_without_the_check_every_searched_well_formed_proposal_is_kept(qwen_tokenizer, retriever):
     script = Script()
-    result = _agent(qwen_tokenizer, retriever, script, check=False).rollout([QAItem("t0", "Paris", ["Paris"])], 4, 0)
+    result = _agent(qwen_tokenizer, retriever, script, check=False).rollout([QAItem("t0", "France", ["France"])], 4, 0)
     solver = [g for g in result.groups if g.role == "solver"]
     assert [g.item.golden_answers for g in solver] == [["Paris"], ["Berlin"]] and not script.checks
     assert result.stats["proposer/invalid/check_failed"] == 0.0 and result.stats["proposer/checked"] == 0.0
@@ -94,3 +95,27 @@ def test_a_derive_outside_a_role_agent_says_how_to_build_it():
         VerifiedProposals(max_new_tokens=0)
     with pytest.raises(ValueError, match="tag_format"):
         VerifiedProposals(tag_format="json")
+
+
+@pytest.mark.parametrize(
+    ("question", "reason"),
+    [
+        ("What is the capital of France?", ""),
+        ("what is the capital of   france", ""),  # normalized: case, spaces, punctuation
+        ("Where </ququestion>? </", "malformed_question"),  # what the toy's proposer learned without the rule
+        ("Where was Ana Lopez born?", "off_topic"),
+    ],
+)
+def test_a_question_must_name_its_topic_and_hold_no_markup(question, reason):
+    assert off_topic(question, "France") == reason
+
+
+def test_off_topic_proposals_are_refused_unless_the_rule_is_off(qwen_tokenizer, retriever):
+    """A proposal about another page than the topic passes the check (the check reads the evidence) but is refused
+    as `off_topic`; with `on_topic=False` it becomes a solver question."""
+    script = Script()
+    topic = [QAItem("t0", "Germany", ["Germany"])]  # no proposal names Germany
+    strict = _agent(qwen_tokenizer, retriever, script).rollout(topic, 4, 0)
+    assert [g.role for g in strict.groups] == ["proposer"] and strict.stats["proposer/invalid/off_topic"] == 0.75
+    loose = _agent(qwen_tokenizer, retriever, Script(), on_topic=False).rollout(topic, 4, 0)
+    assert [g.item.question for g in loose.groups if g.role == "solver"] == ["What is the capital of France?"]
