@@ -213,6 +213,12 @@ CITED: list[Cited] = [
      "planner_front.json", lambda d: _front(d, "1.0")["searches"]),
     ("docs/environments.md", "| 0 | 0.845 ± 0.066 | 0.415 → 0.827 ± 0.075 | 0.860 ± 0.174 | 1.47 ± 0.09 |", "1.47",
      "planner_front.json", lambda d: _front(d, "0")["searches"]),
+    ("docs/environments.md", "| `selfplay_qa` (n = 3) | 0.90 → 0.940 ± 0.025 | 0.02 → 0.720 ± 0.131 |", "0.720",
+     "selfplay.json", lambda d: d["selfplay_qa"]["mean_ci95"]["val_toy_2hop_end"][0]),
+    ("docs/environments.md", "| `selfplay` (n = 2) | 0.90 → 0.720 ± 0.127 |", "0.720", "selfplay.json",
+     lambda d: d["selfplay"]["mean_ci95"]["val_toy_1hop_end"][0]),
+    ("docs/environments.md", "| 0.765 / 0.130 | 0.22 → 0.38 | 0.24 → 0.06 |", "0.06", "selfplay.json",
+     lambda d: d["selfplay"]["mean_ci95"]["rollout/proposer/difficulty@end"][0]),
 ]  # fmt: skip
 def _front(d: dict, cost: str) -> dict:
     """planner_front.json's front row of `env.reward.cost.search=<cost>`."""
@@ -322,6 +328,7 @@ def test_cited_number_is_in_its_results_file(doc, text, number, results, figure)
 def test_every_cited_performance_file_is_stamped() -> None:
     learning = {"correction.json", "agent_learning.json", "toy_deep.json", "toy_deep_warm.json"}
     learning.update({"compaction_learning.json", "partial_rollouts.json", "search_toy.json", "planner_front.json"})
+    learning.add("selfplay.json")
     cited = {c[3] for c in CITED} - learning
     assert cited <= set(STAMPS), f"performance results cited but not stamped: {sorted(cited - set(STAMPS))}"
 
