@@ -19,6 +19,7 @@ proposal is refused (`no_search`) rather than checked against the policy's memor
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from dspo.agent.prompts import build_messages, render_prompt
@@ -113,7 +114,9 @@ class VerifiedProposals:
         self.last_stats = {f"{self.proposer}/invalid/{reason}": n / episodes for reason, n in refused.items()}
         self.last_stats[f"{self.proposer}/checked"] = len(candidates) / episodes if self.check else 0.0
         return [
-            derived_item(part, g, e, proposal.question, [proposal.answer], proposal=True)
+            replace(
+                derived_item(part, g, e, proposal.question, [proposal.answer], proposal=True), benchmark=self.benchmark
+            )
             for (g, e, proposal, _), ok in zip(candidates, passed, strict=True)
             if ok
         ]
@@ -158,8 +161,8 @@ class VerifiedProposals:
 
 
 def off_topic(question: str, topic: str) -> str:
-    """ "" for a question about `topic`, else why not: `malformed_question` (it holds markup) or `off_topic` (it does not
-    name the topic)."""
+    """Why a question is not about `topic`: `malformed_question` (it holds markup), `off_topic` (it does not name the
+    topic), or "" (it is about it)."""
     if "<" in question or ">" in question:
         return "malformed_question"
     return "" if normalize_answer(topic) in normalize_answer(question) else "off_topic"
