@@ -14,6 +14,8 @@
         --figure docs/partial_rollouts.png            # one round ahead, with and without partial rollouts (issue 43)
     python bench/environments.py --run --setups selfplay selfplay_qa selfplay_loose --out bench/results/selfplay.json \
         --figure docs/selfplay.png                    # search self-play against supervised RL (issue 57)
+    python bench/environments.py --run --setups goal_reflect_noisy simulated_noisy --noise-eval 0 0.25 0.5 0.75 \
+        --out bench/results/goal_reflect.json --figure docs/goal_reflect.png  # the perturbation study (issue 57)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
 A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
@@ -40,6 +42,7 @@ import sys
 from pathlib import Path
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _noise_eval import has_noise, noise_eval, plot_noise, print_noise
 from _outputs import add_output_arguments, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +87,13 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
         "rollout/agent=default",
         "data.train_files=[${paths.toy_root}/world/train.jsonl]",
     ],
+    # the perturbation study (issue 57; RE-Searcher): every search result misleading with probability 0.3, with goal
+    # and reflection (its own warm start, reflections paid) and without (env=simulated, the shipped warm start);
+    # --noise-eval then scores each trained model and its warm start at other noise levels
+    "goal_reflect_noisy": ["env=goal_reflect", "env.tools.search.noise=0.3"],
+    "simulated_noisy": ["env=simulated", "env.tools.search.noise=0.3"],
 }
+NOISE_SETUPS = ["goal_reflect_noisy", "simulated_noisy"]
 DEEP_SETUPS = ["deep", "deep_shipped_warmstart"]
 EXAMPLES = ROOT / "docs" / "examples"  # on PYTHONPATH for every run: env=agent's function lives there
 TYPES = ("toy_1hop", "toy_2hop", "toy_3hop", "toy_4hop")  # the last two only in experiment=toy_deep's runs
@@ -108,6 +117,9 @@ SIGNALS = (
     "rollout/proposer/invalid/off_topic",
     "rollout/proposer/invalid/malformed_question",
     "rollout/solver/outcome_mean",
+    "reward/goal_share",  # env=goal_reflect: searches with a goal, ...
+    "reward/reflect_right",  # ... reflected on rightly, ...
+    "reward/held_share",  # ... whose results held the goal's page (what noise takes away)
 )
 WINDOW = 10  # rounds averaged at the start and at the end of a run
 PANELS = [  # (title, tag, setups): the environments' figure, docs/environments.png
@@ -141,6 +153,11 @@ SELFPLAY_PANELS = [  # search self-play against supervised RL, docs/selfplay.png
     ("2-hop validation subEM", "val/toy_2hop/subem", ["search", "selfplay_qa", "selfplay", "selfplay_loose"]),
     ("proposals kept by the check", "rollout/proposer/valid_share", ["selfplay", "selfplay_loose"]),
     ("solver failure rate on kept proposals", "rollout/proposer/difficulty", ["selfplay", "selfplay_loose"]),
+]
+NOISE_PANELS = [  # the perturbation study's training curves, docs/goal_reflect_training.png
+    ("validation subEM (noise 0.3)", "val/subem_mean", NOISE_SETUPS),
+    ("searches per trajectory", "rollout/calls/search", NOISE_SETUPS),
+    ("reflections right (of searches)", "reward/reflect_right", NOISE_SETUPS),
 ]
 AGENT_PANELS = [  # the OpenAI-API agent against the built-in one, docs/agents.png
     ("1-hop validation subEM", "val/toy_1hop/subem", ["search", "agent"]),
@@ -301,6 +318,8 @@ def plot(root: Path, result: dict, path: Path) -> None:
         panels = PARTIAL_PANELS
     elif "selfplay" in result:
         panels = SELFPLAY_PANELS
+    elif set(result) <= set(NOISE_SETUPS):
+        panels = NOISE_PANELS
     else:
         panels = PANELS if set(result) - {"search", "agent"} else AGENT_PANELS
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
@@ -330,6 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", type=Path, default=Path("outputs") / "environments")
     parser.add_argument("--override", nargs="+", default=[], help="more dspo-train overrides for every run (smoke)")
     parser.add_argument("--figure", type=Path, default=None, help="the curves' figure (default: beside the JSON)")
+    parser.add_argument(
+        "--noise-eval",
+        nargs="+",
+        type=float,
+        default=None,
+        metavar="P",
+        help="also score each run's model and its warm start greedily on the test split at these search noise levels "
+        "(bench/_noise_eval.py; its figure beside the curves' figure, *_noise.png)",
+    )
     add_output_arguments(parser, "environments.json")
     args = parser.parse_args(argv)
     out = output_path(parser, args, "environments.json")
@@ -340,12 +368,30 @@ def main(argv: list[str] | None = None) -> None:
     if not result:
         sys.exit(f"no finished runs under {root}: train them with --run (see --help)")
     print_report(result)
+    noise = {}
+    if args.noise_eval:
+        noisy = {name: SETUPS[name] for name in result if has_noise([*SETUPS[name], *args.override])}
+        if not noisy:
+            sys.exit(
+                "--noise-eval: none of these setups has a noisy search tool (env.tools.search.noise: "
+                f"env=simulated, env=goal_reflect), e.g. --setups {' '.join(NOISE_SETUPS)}"
+            )
+        noise = noise_eval(root, noisy, args.noise_eval, args.override)
+        print_noise(noise)
+        for name, entry in noise.items():
+            result[name]["noise"] = entry
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"JSON: {out}")
     figure = args.figure or (ROOT / "docs" / "environments.png" if args.update_shipped else out.with_suffix(".png"))
     plot(root, result, figure)
+    if noise:
+        plot_noise(noise, figure.with_name(f"{figure.stem}_noise.png"))
     figures = {f"{name}.runs": entry["runs"] for name, entry in result.items()}
+    if args.noise_eval:  # every setup with runs scored at every level, warm start and trained
+        for name in noisy:
+            means = noise.get(name, {}).get("mean_ci95") or {"-": {"subem": (None,)}}
+            figures.update({f"{name}.noise.{p}.{k}": v[0] for p, row in means.items() for k, v in row.items()})
     for name, entry in result.items():  # 1- and 2-hop in every setup; 3- and 4-hop where the setup has them
         kinds = [k for k in TYPES if k in TYPES[:2] or "experiment=toy_deep" in SETUPS[name]]
         keys = [f"{stage}_{kind}{end}" for kind in kinds for stage, end in (("val", "_end"), ("test", ""))]

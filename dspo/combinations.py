@@ -61,6 +61,11 @@ PLANNER = Setting(
     lambda c: _select(c, "env.reward._target_") == "dspo.env.planner.PlannerReward",
     "env=planner",
 )
+GOAL_REFLECT = Setting(
+    "env.reward._target_",
+    lambda c: _select(c, "env.reward._target_") == "dspo.env.goal_reflect.GoalReflectReward",
+    "env=goal_reflect",
+)
 ROLES = Setting(
     "rollout.agent._target_",
     lambda c: _select(c, "rollout.agent._target_") == "dspo.agent.roles.RoleAgent",
@@ -147,6 +152,13 @@ REFUSED: tuple[Refusal, ...] = (
         ENDPOINT,
         "the endpoint serves one agent written against the OpenAI API, and roles are agents of their own; unset "
         "env.agent (each role's agent is rollout.agent.roles.<i>.agent)",
+    ),
+    Refusal(
+        ROLES,
+        GOAL_REFLECT,
+        "a reflection is paid when it agrees with whether the results held the item's gold page (env.reward.gold_key), "
+        "and a question written in the round names none; use env=search (or env=simulated with "
+        "env.tools.search.noise for noisy results)",
     ),
     Refusal(
         TOKEN_CORRECTION,

@@ -47,10 +47,9 @@ COMPACT = (
     "rollout.agent.max_total_tokens=420",
     "prepare.toyworld.config.agent.max_total_tokens=1024",
 )
-# env=goal_reflect: its reward pays reflections; its search tool is the simulated one (noise 0.3). With the default
-# instruction: under goal_reflect's, which the shipped warm start never saw, it searches less (0.75 calls an episode),
-# and a 2-step compact row trained no compacted episode; the environment's tool and reward are what combine
-GOAL_REFLECT = ("env=goal_reflect", "env.tools.search.noise=0.3", "env.instruction=null")
+# env=goal_reflect: its reward pays reflections; its search tool is the simulated one (noise 0.3); its own warm start
+# (shipped, adopted) writes goals and reflections
+GOAL_REFLECT = ("env=goal_reflect", "env.tools.search.noise=0.3")
 SWITCHES: tuple[Switch, ...] = (
     Switch("staleness", "rollout.max_staleness", {"0": (), "1": ("rollout.max_staleness=1",)}),
     Switch(
@@ -86,7 +85,7 @@ SWITCHES: tuple[Switch, ...] = (
         "roles",
         "rollout.agent._target_",
         {"one": (), "selfplay": ("experiment=toy_selfplay",)},
-        {"selfplay": (("partial", "on"), ("agent", "endpoint"))},
+        {"selfplay": (("partial", "on"), ("agent", "endpoint"), ("env", "goal_reflect"))},
     ),
     Switch("lora", "model.lora.r", {"off": (), "r4": ("model.lora.r=4",)}),
     Switch(
@@ -176,7 +175,7 @@ def covering_rows(seed: int = 0, attempts: int = 40) -> list[dict[str, str]]:
     return rows
 
 
-ROWS = covering_rows()
+ROWS = covering_rows(seed=1)  # of seeds 0-29 the fewest rows (11) and, among those, the fewest on two ranks (4)
 
 
 def overrides(row: dict[str, str]) -> list[str]:

@@ -15,7 +15,11 @@ per question type (1-hop, 2-hop):
 - `train_sampled`: the share of sampled trajectories that answer *training* questions (entities the warm start never
   saw) at the RL temperature, G per question: the rate at which RL's groups will be mixed;
 - `val_greedy`: greedy subEM on the validation questions (what step 0 of a run's validation logs);
+Shares count outcomes (0/1 correctness, what the dynamic filter tests), not rewards: an environment that pays more
+than the answer (env=goal_reflect's reflections) scores the same answers the same.
 - `train_2hop_outcomes`: where the sampled 2-hop rollouts go (`two_hop_outcome`), as shares.
+- `train_signals` (environments that pay reward parts, env=goal_reflect): the sampled round's `reward/*` parts and
+  searches per trajectory (`calls/*`).
 
 A config whose `prepare.toyworld.shipped_model` names a model folder (experiment=toy_deep: a fine-tune of the shipped
 model on 3- and 4-hop demonstrations too, conf/prepare/toyworld_deep.yaml) rebuilds that model only: the tokenizer is
@@ -80,6 +84,8 @@ def rebuild(workdir: str, overrides: list[str]) -> tuple[object, str]:
     return instantiate(cfg.prepare.toyworld)
 
 
+# the sampled round's statistics a report keeps when its environment pays reward parts: searches and the parts
+SIGNAL_PREFIXES = ("reward/", "calls/")
 TWO_HOP_OUTCOMES = (
     "no_search", "one_search_answered_intermediate", "one_search_other", "two_searches_right", "two_searches_wrong",
 )  # fmt: skip
@@ -93,7 +99,7 @@ def two_hop_outcome(trajectory: Trajectory, intermediate: str) -> str:
     if trajectory.num_tool_calls == 1:
         stopped_early = trajectory.answer is not None and trajectory.answer.strip() == intermediate
         return "one_search_answered_intermediate" if stopped_early else "one_search_other"
-    return "two_searches_right" if trajectory.reward > 0 else "two_searches_wrong"
+    return "two_searches_right" if trajectory.outcome > 0 else "two_searches_wrong"
 
 
 def build_world(workdir: str, overrides: list[str]):
@@ -132,8 +138,9 @@ def measure_default(agent, world, questions: int = 200, group_size: int = 5) -> 
     report: dict[str, dict[str, float]] = {"train_sampled": {}, "val_greedy": {}, "train_mixed_groups": {}}
     train = load_qa(world.train, benchmark="toy", limit=questions)
     rewards, mixed, outcomes = defaultdict(list), defaultdict(list), []
-    for group in agent.rollout(train, group_size=group_size, policy_version=0, seed=1234).groups:
-        values = [t.reward for t in group.trajectories]
+    sampled = agent.rollout(train, group_size=group_size, policy_version=0, seed=1234)
+    for group in sampled.groups:
+        values = [t.outcome for t in group.trajectories]
         rewards[group.item.metadata["hops"]] += values
         mixed[group.item.metadata["hops"]].append(0 < sum(values) < len(values))
         if group.item.metadata["hops"] == 2:
@@ -141,11 +148,14 @@ def measure_default(agent, world, questions: int = 200, group_size: int = 5) -> 
     val = load_qa(world.val, benchmark="toy")
     greedy = defaultdict(list)
     for group in agent.rollout(val, group_size=1, policy_version=0, greedy=True).groups:
-        greedy[group.item.metadata["hops"]].append(group.trajectories[0].reward)
+        greedy[group.item.metadata["hops"]].append(group.trajectories[0].outcome)
     for hops in sorted(rewards):
         report["train_sampled"][f"{hops}hop"] = round(sum(rewards[hops]) / len(rewards[hops]), 4)
         report["train_mixed_groups"][f"{hops}hop"] = round(sum(mixed[hops]) / len(mixed[hops]), 4)
         report["val_greedy"][f"{hops}hop"] = round(sum(greedy[hops]) / len(greedy[hops]), 4)
+    signals = {k: round(float(v), 4) for k, v in sorted(sampled.stats.items()) if k.startswith(SIGNAL_PREFIXES)}
+    if any(k.startswith("reward/") for k in signals):  # an environment with reward parts (env=goal_reflect's)
+        report["train_signals"] = signals
     if outcomes:
         report["train_2hop_outcomes"] = {k: round(outcomes.count(k) / len(outcomes), 4) for k in TWO_HOP_OUTCOMES}
     report["settings"] = {"train_questions": len(train), "group_size": group_size, "val_questions": len(val)}
@@ -186,8 +196,8 @@ def measure_deep(agent, data, questions: int = 200, group_size: int = 5) -> dict
         by_hops[group.item.metadata["hops"]].append(group.trajectories)
     for hops, groups in sorted(by_hops.items()):
         flat = [t for group in groups for t in group]
-        report["train_sampled"][f"{hops}hop"] = round(sum(t.reward for t in flat) / len(flat), 4)
-        mixed = [0 < sum(t.reward for t in group) < len(group) for group in groups]
+        report["train_sampled"][f"{hops}hop"] = round(sum(t.outcome for t in flat) / len(flat), 4)
+        mixed = [0 < sum(t.outcome for t in group) < len(group) for group in groups]
         report["train_mixed_groups"][f"{hops}hop"] = round(sum(mixed) / len(mixed), 4)
         report["train_searches"][f"{hops}hop"] = round(sum(t.num_tool_calls for t in flat) / len(flat), 4)
     for stage, files, limit in (("val", data.val_files, data.val_limit), ("test", data.test_files, data.test_limit)):
@@ -206,7 +216,7 @@ def greedy_benchmarks(agent, stage: str, files, limit: int | None) -> dict[str, 
         items = load_qa(path, benchmark=name, limit=limit)
         runs = [g.trajectories[0] for g in agent.rollout(items, group_size=1, policy_version=0, greedy=True).groups]
         hops = name.removeprefix("toy_")
-        report[f"{stage}_greedy"][hops] = round(sum(t.reward for t in runs) / len(runs), 4)
+        report[f"{stage}_greedy"][hops] = round(sum(t.outcome for t in runs) / len(runs), 4)
         report[f"{stage}_searches"][hops] = round(sum(t.num_tool_calls for t in runs) / len(runs), 4)
         report[f"{stage}_truncated"][hops] = round(sum(t.truncated for t in runs) / len(runs), 4)
     return report

@@ -220,6 +220,8 @@ CITED: list[Cited] = [
     ("docs/environments.md", "| 0.765 / 0.130 | 0.22 → 0.38 | 0.24 → 0.06 |", "0.06", "selfplay.json",
      lambda d: d["selfplay"]["mean_ci95"]["rollout/proposer/difficulty@end"][0]),
 ]  # fmt: skip
+
+
 def _front(d: dict, cost: str) -> dict:
     """planner_front.json's front row of `env.reward.cost.search=<cost>`."""
     return next(row for row in d["front"] if row["group"] == f"env.reward.cost.search={cost}")

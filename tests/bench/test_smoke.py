@@ -31,8 +31,8 @@ SMOKE = {
     "lora_push": "--hidden-size 64 --num-layers 1 --num-heads 2 --num-kv-heads 1 --intermediate 128 --pushes 1 "
     "--prompts 2 --max-new-tokens 4",
     "retrieval_scale": "--scale 3000 --workdir scale",  # bench/_scale.py: wiki-shaped corpus, both streamed backends
-    "environments": "--run --setups search --seeds 0 --root envs --override trainer.max_steps=2 "
-    "trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
+    "environments": "--run --setups simulated_noisy --seeds 0 --root envs --noise-eval 0 0.5 --override "
+    "trainer.max_steps=2 trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
 }
 
 
@@ -88,10 +88,11 @@ def test_async_smoke(toy_cache: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_environments_timeline_async_learning_smoke(toy_cache: Path, tmp_path: Path) -> None:
-    """One 2-step multirun (environments.py --run) that the two run-reading scripts then read."""
+    """One 2-step multirun (environments.py --run, its model then scored at two noise levels with its warm start) that
+    the two run-reading scripts then read."""
     env = train_env(toy_cache, tmp_path / "runs")
     run_bench("environments", SMOKE["environments"].split(), tmp_path, env)
-    (run,) = (tmp_path / "envs" / "search").glob("*seed0")
+    (run,) = (tmp_path / "envs" / "simulated_noisy").glob("*seed0")
     run_bench("timeline", [str(run), "--skip", "0", "--figure", "timeline.png"], tmp_path, env)
     run_bench("async_learning", [str(run.parent), "--json", "al.json"], tmp_path, env)
 

@@ -145,3 +145,21 @@ def test_the_noise_key_composes_with_and_without_goal_reflection(env):
         assert default.env.tools.search.noise == 0.0
     else:  # env=simulated keeps its curriculum unless the key is set
         assert compose_config("train", ["env=simulated", "output_dir=/tmp/x"]).env.tools.search.noise is None
+
+
+def test_goal_reflect_brings_its_toy_warm_start_and_none_outside_the_toy(caplog):
+    """In the toy, env=goal_reflect has a toy root and a warm start of its own (demonstrations of the format); under
+    prepare=none (the paper's data) its prepare keys name no constructor and the step is skipped, not failed."""
+    import logging
+
+    from dspo.train import prepare
+
+    toy = compose_config("train", ["env=goal_reflect", "output_dir=/tmp/x"])
+    assert toy.paths.toy_root.endswith("toyworld/goal_reflect")
+    assert toy.prepare.toyworld.config.goal_reflect and toy.prepare.toyworld.config.goal_reflect_noise == 0.3
+    assert toy.prepare.toyworld.shipped_model.endswith("toy_goal_reflect_warmstart/model")
+    paper = compose_config("train", ["experiment=paper_qwen2.5_3b", "env=goal_reflect", "output_dir=/tmp/x"])
+    assert "_target_" not in paper.prepare.toyworld
+    with caplog.at_level(logging.INFO, logger="dspo.train"):
+        prepare(paper)
+    assert "prepare: toyworld names no _target_" in caplog.text

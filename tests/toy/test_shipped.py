@@ -20,6 +20,7 @@ from dspo.toy.shipped import adopt_shipped
 SHIPPED = data_dir() / "toy_warmstart"
 DEEP_SHIPPED = data_dir() / "toy_deep_warmstart"  # experiment=toy_deep's: the shipped model fine-tuned on deep chains
 SELFPLAY_SHIPPED = data_dir() / "toy_selfplay_warmstart"  # experiment=toy_selfplay's: ... on proposer demonstrations
+GOAL_REFLECT_SHIPPED = data_dir() / "toy_goal_reflect_warmstart"  # env=goal_reflect's: ... on goal/reflection demos
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -37,18 +38,18 @@ def test_default_config_adopts_the_shipped_model_without_training(tmp_path, monk
     assert Path(world.extra["val_2hop"]).is_file()
 
 
-def _adopt_without_training(experiment: str, folder: Path, tmp_path, monkeypatch):
-    """(world, model dir) of `experiment=<experiment>` built with SFT forbidden: its model must be `folder`'s, its
-    tokenizer the default's (no copy in `folder`)."""
+def _adopt_without_training(selection: str, folder: Path, tmp_path, monkeypatch):
+    """(world, model dir) of `selection` (`experiment=toy_deep`, `env=goal_reflect`) built with SFT forbidden: its
+    model must be `folder`'s, its tokenizer the default's (no copy in `folder`)."""
 
     def no_sft(*args, **kwargs):
         raise AssertionError(
-            f"experiment={experiment} no longer matches {folder.name}: run "
-            f"python -m dspo.toy.rebuild --update-shipped -- experiment={experiment}"
+            f"{selection} no longer matches {folder.name}: run "
+            f"python -m dspo.toy.rebuild --update-shipped -- {selection}"
         )
 
     monkeypatch.setattr(warmstart, "train_sft", no_sft)
-    cfg = compose_train([f"experiment={experiment}", f"paths.toy_root={tmp_path / 'toy'}"])
+    cfg = compose_train([selection, f"paths.toy_root={tmp_path / 'toy'}"])
     world, model_dir = instantiate(cfg.prepare.toyworld)
     assert (Path(model_dir) / warmstart.MANIFEST).read_text() == (folder / "model" / warmstart.MANIFEST).read_text()
     tokenizer = Path(model_dir).parent / "tokenizer" / "dspo_tokenizer.json"
@@ -59,17 +60,25 @@ def _adopt_without_training(experiment: str, folder: Path, tmp_path, monkeypatch
 
 def test_toy_deep_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
     """experiment=toy_deep adopts data/toy_deep_warmstart/model and the default's tokenizer: no ~10 min build."""
-    world, _ = _adopt_without_training("toy_deep", DEEP_SHIPPED, tmp_path, monkeypatch)
+    world, _ = _adopt_without_training("experiment=toy_deep", DEEP_SHIPPED, tmp_path, monkeypatch)
     assert Path(world.extra["demo_deep"]).is_file()
 
 
 def test_toy_selfplay_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
     """experiment=toy_selfplay adopts data/toy_selfplay_warmstart/model (the shipped model fine-tuned on proposer
     demonstrations too); its world carries the topics it trains on, and its report shows proposals that mix."""
-    world, _ = _adopt_without_training("toy_selfplay", SELFPLAY_SHIPPED, tmp_path, monkeypatch)
+    world, _ = _adopt_without_training("experiment=toy_selfplay", SELFPLAY_SHIPPED, tmp_path, monkeypatch)
     assert Path(world.extra["seeds"]).is_file()
     report = json.loads((SELFPLAY_SHIPPED / "report.json").read_text())
     assert 0.0 < report["proposer"]["valid_share"] < 1.0  # some proposals pass the check: the proposer's groups mix
+
+
+def test_goal_reflect_adopts_its_shipped_model_without_training(tmp_path, monkeypatch) -> None:
+    """env=goal_reflect adopts data/toy_goal_reflect_warmstart/model (the shipped model fine-tuned on demonstrations
+    of goal and reflection); its report shows a model that states goals and reflects."""
+    _adopt_without_training("env=goal_reflect", GOAL_REFLECT_SHIPPED, tmp_path, monkeypatch)
+    signals = json.loads((GOAL_REFLECT_SHIPPED / "report.json").read_text())["train_signals"]
+    assert signals["reward/goal_share"] > 0.5 and signals["reward/reflect_share"] > 0.5, signals
 
 
 def test_adoption_requires_a_matching_manifest(tmp_path) -> None:
