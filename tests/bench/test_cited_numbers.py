@@ -215,9 +215,11 @@ CITED: list[Cited] = [
      "planner_front.json", lambda d: _front(d, "0")["searches"]),
     ("docs/environments.md", "| `selfplay_qa` (n = 3) | 0.90 → 0.940 ± 0.025 | 0.02 → 0.720 ± 0.131 |", "0.720",
      "selfplay.json", lambda d: d["selfplay_qa"]["mean_ci95"]["val_toy_2hop_end"][0]),
-    ("docs/environments.md", "| `selfplay` (n = 2) | 0.90 → 0.720 ± 0.127 |", "0.720", "selfplay.json",
+    ("docs/environments.md", "| `selfplay` (n = 3) | 0.90 → 0.747 ± 0.117 |", "0.747", "selfplay.json",
      lambda d: d["selfplay"]["mean_ci95"]["val_toy_1hop_end"][0]),
-    ("docs/environments.md", "| 0.765 / 0.130 | 0.22 → 0.38 | 0.24 → 0.06 |", "0.06", "selfplay.json",
+    ("docs/environments.md", "| 0.800 / 0.097 | 0.26 → 0.42 | 0.23 → 0.06 |", "0.42", "selfplay.json",
+     lambda d: d["selfplay"]["mean_ci95"]["rollout/proposer/valid_share@end"][0]),
+    ("docs/environments.md", "| 0.800 / 0.097 | 0.26 → 0.42 | 0.23 → 0.06 |", "0.06", "selfplay.json",
      lambda d: d["selfplay"]["mean_ci95"]["rollout/proposer/difficulty@end"][0]),
 ]  # fmt: skip
 
