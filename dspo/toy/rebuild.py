@@ -7,6 +7,7 @@
     python -m dspo.toy.rebuild --report MODEL_DIR    # only measure a model folder (shipped or rebuilt)
     python -m dspo.toy.rebuild -- prepare.toyworld.config.steps=2000   # Hydra overrides of the train config
     python -m dspo.toy.rebuild --update-shipped -- experiment=toy_deep  # the deep warm start, data/toy_deep_warmstart
+    python -m dspo.toy.rebuild --update-shipped -- env=goal_reflect     # data/toy_goal_reflect_warmstart
 
 It composes the train config (so the world, vocabulary, warm-start recipe and agent settings are the ones
 `dspo-train` uses), builds everything with `shipped=None`, measures the model and writes `tokenizer/`, `model/` and
