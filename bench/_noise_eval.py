@@ -36,13 +36,15 @@ def run_overrides(run_dir: Path) -> list[str]:
 
 
 def model_weights(model_dir: Path) -> list[tuple[str, object]]:
-    """The named tensors of a saved model folder (safetensors only: nothing is unpickled)."""
-    from safetensors.torch import load_file
+    """The named tensors of a saved model folder as training pushes them: the loaded model's state dict, so a tied
+    output layer (`lm_head.weight`, stored once in the file) is pushed under its own name too. Safetensors only."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    if not sorted(model_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights (an exported dspo model folder has them)")
-    return [item for path in files for item in load_file(str(path)).items()]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True)
+    return list(model.state_dict().items())
 
 
 def score(engine, tokenizer, overrides: list[str], noise: float) -> dict[str, float]:
