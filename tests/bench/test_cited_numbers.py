@@ -221,6 +221,16 @@ CITED: list[Cited] = [
      lambda d: d["selfplay"]["mean_ci95"]["rollout/proposer/valid_share@end"][0]),
     ("docs/environments.md", "| 0.800 / 0.097 | 0.26 → 0.42 | 0.23 → 0.06 |", "0.06", "selfplay.json",
      lambda d: d["selfplay"]["mean_ci95"]["rollout/proposer/difficulty@end"][0]),
+    ("docs/environments.md", "| `goal_reflect_noisy` | 0.553 → 0.493 ± 0.165 |", "0.493", "goal_reflect.json",
+     lambda d: d["goal_reflect_noisy"]["mean_ci95"]["val_toy_1hop_end"][0]),
+    ("docs/environments.md", "| `simulated_noisy` | 0.530 → 0.560 ± 0.237 | 0.017 → 0.427 ± 0.112 |", "0.427",
+     "goal_reflect.json", lambda d: d["simulated_noisy"]["mean_ci95"]["val_toy_2hop_end"][0]),
+    ("docs/environments.md", "| 0.540 / 0.057 | 1.09 → 1.10 | 0.13 → 0.21 | 0.90 → 0.68, 0.53 → 0.38 |", "0.38",
+     "goal_reflect.json", lambda d: d["goal_reflect_noisy"]["mean_ci95"]["reward/reflect_right@end"][0]),
+    ("docs/environments.md", "| 0.5 | 0.39 → 0.343 ± 0.072 | 0.36 → 0.363 ± 0.057 |", "0.343", "goal_reflect.json",
+     lambda d: d["goal_reflect_noisy"]["noise"]["mean_ci95"]["0.5"]["toy_1hop/subem"][0]),
+    ("docs/environments.md", "| 0.06 → 0.020 ± 0.086 | 0.00 → 0.130 ± 0.025 |", "0.130", "goal_reflect.json",
+     lambda d: d["simulated_noisy"]["noise"]["mean_ci95"]["0.5"]["toy_2hop/subem"][0]),
 ]  # fmt: skip
 
 
@@ -332,7 +342,7 @@ def test_cited_number_is_in_its_results_file(doc, text, number, results, figure)
 def test_every_cited_performance_file_is_stamped() -> None:
     learning = {"correction.json", "agent_learning.json", "toy_deep.json", "toy_deep_warm.json"}
     learning.update({"compaction_learning.json", "partial_rollouts.json", "search_toy.json", "planner_front.json"})
-    learning.add("selfplay.json")
+    learning.update({"selfplay.json", "goal_reflect.json"})
     cited = {c[3] for c in CITED} - learning
     assert cited <= set(STAMPS), f"performance results cited but not stamped: {sorted(cited - set(STAMPS))}"
 
