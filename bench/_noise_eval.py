@@ -159,7 +159,12 @@ def plot_noise(result: dict[str, dict], path: Path) -> None:
         ax.set_title(f"{bench}: greedy test subEM", fontsize=10)
         ax.set_xlabel("search noise (share of misleading results)")
         ax.legend(fontsize=7)
+    save_figure(fig, path, "noise figure")
+
+
+def save_figure(fig, path: Path, what: str = "figure") -> None:
+    """Lay out, write (creating the folder) and name the written file."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    print(f"noise figure: {path}")
+    print(f"{what}: {path}")

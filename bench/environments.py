@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
-from _noise_eval import has_noise, noise_eval, plot_noise, print_noise
+from _noise_eval import has_noise, noise_eval, plot_noise, print_noise, save_figure
 from _outputs import add_output_arguments, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,10 +335,7 @@ def plot(root: Path, result: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"figure: {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
