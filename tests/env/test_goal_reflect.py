@@ -156,7 +156,7 @@ def test_goal_reflect_brings_its_toy_warm_start_and_none_outside_the_toy(caplog)
 
     toy = compose_config("train", ["env=goal_reflect", "output_dir=/tmp/x"])
     assert toy.paths.toy_root.endswith("toyworld/goal_reflect")
-    assert toy.prepare.toyworld.config.goal_reflect and toy.prepare.toyworld.config.goal_reflect_noise == 0.3
+    assert toy.prepare.toyworld.config.goal_reflect and toy.prepare.toyworld.config.goal_reflect_noise == 0.15
     assert toy.prepare.toyworld.shipped_model.endswith("toy_goal_reflect_warmstart/model")
     paper = compose_config("train", ["experiment=paper_qwen2.5_3b", "env=goal_reflect", "output_dir=/tmp/x"])
     assert "_target_" not in paper.prepare.toyworld
