@@ -1,7 +1,7 @@
 """Accuracy against search noise (issue 57, RE-Searcher's claim of robustness to misleading results): each run's
 trained model and the warm start it began from, greedy on the toy's test questions, with every search result replaced
 by a misleading page with probability p for each p of `--noise-eval` (env=simulated's scripted distractors, the key
-`env.tools.search.noise`). Used by `bench/environments.py --noise-eval 0 0.25 0.5 0.75`.
+`env.tools.search.noise`). Used by `bench/environments.py --noise-eval 0 0.3 0.5 0.7`.
 
 One engine serves every model (they share the toy's architecture and tokenizer): it is built on the first warm start
 and each later model's weights are pushed into it, as training pushes them. Each model is scored in its run's own

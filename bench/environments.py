@@ -14,7 +14,7 @@
         --figure docs/partial_rollouts.png            # one round ahead, with and without partial rollouts (issue 43)
     python bench/environments.py --run --setups selfplay selfplay_qa selfplay_loose --out bench/results/selfplay.json \
         --figure docs/selfplay.png                    # search self-play against supervised RL (issue 57)
-    python bench/environments.py --run --setups goal_reflect_noisy simulated_noisy --noise-eval 0 0.25 0.5 0.75 \
+    python bench/environments.py --run --setups goal_reflect_noisy simulated_noisy --noise-eval 0 0.3 0.5 0.7 \
         --out bench/results/goal_reflect.json --figure docs/goal_reflect.png  # the perturbation study (issue 57)
     python bench/environments.py                      # report on the runs already in outputs/environments
 
@@ -154,7 +154,7 @@ SELFPLAY_PANELS = [  # search self-play against supervised RL, docs/selfplay.png
     ("proposals kept by the check", "rollout/proposer/valid_share", ["selfplay", "selfplay_loose"]),
     ("solver failure rate on kept proposals", "rollout/proposer/difficulty", ["selfplay", "selfplay_loose"]),
 ]
-NOISE_PANELS = [  # the perturbation study's training curves, docs/goal_reflect_training.png
+NOISE_PANELS = [  # the perturbation study's training curves, docs/goal_reflect.png
     ("validation subEM (noise 0.3)", "val/subem_mean", NOISE_SETUPS),
     ("searches per trajectory", "rollout/calls/search", NOISE_SETUPS),
     ("reflections right (of searches)", "reward/reflect_right", NOISE_SETUPS),

@@ -16,11 +16,11 @@ per question type (1-hop, 2-hop):
 - `train_sampled`: the share of sampled trajectories that answer *training* questions (entities the warm start never
   saw) at the RL temperature, G per question: the rate at which RL's groups will be mixed;
 - `val_greedy`: greedy subEM on the validation questions (what step 0 of a run's validation logs);
-Shares count outcomes (0/1 correctness, what the dynamic filter tests), not rewards: an environment that pays more
-than the answer (env=goal_reflect's reflections) scores the same answers the same.
-- `train_2hop_outcomes`: where the sampled 2-hop rollouts go (`two_hop_outcome`), as shares.
+- `train_2hop_outcomes`: where the sampled 2-hop rollouts go (`two_hop_outcome`), as shares;
 - `train_signals` (environments that pay reward parts, env=goal_reflect): the sampled round's `reward/*` parts and
   searches per trajectory (`calls/*`).
+Shares count outcomes (0/1 correctness, what the dynamic filter tests), not rewards: an environment that pays more
+than the answer (env=goal_reflect's reflections) scores the same answers the same.
 
 A config whose `prepare.toyworld.shipped_model` names a model folder (experiment=toy_deep: a fine-tune of the shipped
 model on 3- and 4-hop demonstrations too, conf/prepare/toyworld_deep.yaml) rebuilds that model only: the tokenizer is
