@@ -2,10 +2,11 @@
 and what the sequence clip did. Reads runs with `dspo.analysis`.
 
     python -m dspo.ablation outputs/multirun/<timestamp> [--json outputs/ablation.json] [--figure outputs/ablation.png]
-    python -m dspo.ablation outputs/multirun/<timestamp> --by env.reward.cost.search   # a sweep over a weight
+    python -m dspo.ablation outputs/multirun/<timestamp> --by env.reward.cost.search [--front-figure front.png]
 
 `--by KEY` groups the runs by that config key's value instead of their algorithm, and adds the utility-cost table
-of `dspo.front` (env=planner's front: the answerer's accuracy against searches and answerer calls per episode).
+of `dspo.front` (env=planner's front: the answerer's accuracy against searches and answerer calls per episode);
+`--front-figure` draws it.
 
 It writes nothing unless `--json` / `--figure` are given (the README's report is `--json bench/results/ablation.json`).
 
@@ -357,7 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--figure", default=None, help="write the four-panel figure here (PNG; default: none)")
     parser.add_argument("--minibatches", type=int, default=2, help="algorithm.num_minibatches of the runs")
     parser.add_argument("--by", default=None, help="group by this config key's value (e.g. env.reward.cost.search)")
+    parser.add_argument("--front-figure", default=None, help="with --by: write the utility-cost front here (PNG)")
     args = parser.parse_args(argv)
+    if args.front_figure and not args.by:
+        parser.error("--front-figure needs --by KEY: the front is drawn over the values of a swept key")
     result = report(args.sweep, args.minibatches, args.by)
     print(report_text(result))
     if args.json:
@@ -365,6 +369,10 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps(result, indent=2, default=float) + "\n")
     if args.figure:
         plot_ablation(complete_runs(args.sweep, args.by)[0], args.figure)
+    if args.front_figure:
+        from dspo.front import plot_front
+
+        plot_front(result["front"], complete_runs(args.sweep, args.by)[0], args.front_figure)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,16 @@ One row per value of the swept key (its runs are the seeds), each figure a mean 
   policy does at the end of training, not what it did on the way;
 - on the front: no other row reaches at least its utility with at most its calls (searches + answerer calls), better
   in one of the two. Rows missing either figure are not placed.
+
+`--front-figure PATH` draws it (`plot_front`): utility against calls per episode, one point per row with both
+half-widths, the front joined; beside it, each row's searches per sampled episode over training.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import pandas as pd
 
@@ -72,12 +76,18 @@ def front(runs: Sequence[RunInfo], records: Sequence[dict]) -> list[dict]:
         row["val_final"], row["val_final±"] = ci95([rec["val_final"] for rec in mine])
         for key, tag in LATE_TAGS.items():
             row[key], row[f"{key}±"] = ci95([late_mean(r, tag) for r in group])
-        row["calls"] = row["searches"] + (0.0 if math.isnan(row["answerer_calls"]) else row["answerer_calls"])
+        row["calls"], row["calls±"] = ci95([_calls(r) for r in group])
         rows.append(row)
     for row in rows:
         placed = not (math.isnan(row["utility"]) or math.isnan(row["calls"]))
         row["on_front"] = placed and not any(_dominates(other, row) for other in rows if other is not row)
     return rows
+
+
+def _calls(run: RunInfo) -> float:
+    """Searches + answerer calls per episode late in `run` (a run that never logged answerer calls made none)."""
+    answerer = late_mean(run, LATE_TAGS["answerer_calls"])
+    return late_mean(run, LATE_TAGS["searches"]) + (0.0 if math.isnan(answerer) else answerer)
 
 
 def _dominates(a: dict, b: dict) -> bool:
@@ -102,3 +112,62 @@ def _plus_minus(mean: float, half: float, fmt: str) -> str:
     if math.isnan(mean):
         return "-"
     return fmt.format(mean) if math.isnan(half) else f"{fmt.format(mean)} ± {fmt.format(half)}"
+
+
+def plot_front(rows: Sequence[dict], runs: Sequence[RunInfo], path: str | Path | None = None):
+    """Two panels: the front (test subEM against searches + answerer calls per episode, mean ± 95 % half-width over
+    seeds, the rows on the front joined in order of cost) and `reward/searches` per step for each row (mean ± std over
+    its runs, smoothed). Returns the Figure; saves a PNG to `path` when given."""
+    from matplotlib.figure import Figure
+
+    from dspo.analysis import curves
+
+    fig = Figure(figsize=(12, 4.6), layout="constrained")
+    front_ax, searches_ax = fig.subplots(1, 2)
+    colors = {row["group"]: f"C{i}" for i, row in enumerate(rows)}
+    placed = [row for row in rows if not (math.isnan(row["utility"]) or math.isnan(row["calls"]))]
+    for row in placed:
+        front_ax.errorbar(
+            row["calls"],
+            row["utility"],
+            xerr=_zero_if_nan(row.get("calls±", math.nan)),
+            yerr=_zero_if_nan(row["utility±"]),
+            fmt="o",
+            color=colors[row["group"]],
+            capsize=3,
+            label=f"{_value(row['group'])} (n={row['n']})",
+        )
+    on_front = sorted((row for row in placed if row["on_front"]), key=lambda row: row["calls"])
+    front_ax.plot([r["calls"] for r in on_front], [r["utility"] for r in on_front], "k--", lw=1, label="front")
+    key = rows[0]["group"].rpartition("=")[0] if rows else ""
+    front_ax.set_title(f"utility against cost, by {key}", fontsize=10)
+    front_ax.set_xlabel("searches + answerer calls per sampled episode (last fifth of the rounds)")
+    front_ax.set_ylabel("test subEM (the system's answers)")
+    front_ax.grid(alpha=0.3)
+    front_ax.legend(fontsize=8)
+    frame = curves(runs, "reward/searches", smoothing=0.6)
+    for group, part in frame.groupby("algorithm", sort=False):
+        color = colors.get(group, "gray")
+        searches_ax.plot(part["step"], part["mean"], color=color, label=_value(group))
+        searches_ax.fill_between(
+            part["step"], part["mean"] - part["std"], part["mean"] + part["std"], color=color, alpha=0.15
+        )
+    searches_ax.set_title("searches per sampled episode over training (smoothed 0.6)", fontsize=10)
+    searches_ax.set_xlabel("step")
+    searches_ax.grid(alpha=0.3)
+    if not frame.empty:
+        searches_ax.legend(fontsize=8)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def _value(group: str) -> str:
+    """`env.reward.cost.search=0.3` -> `cost.search=0.3`: the last two parts of the key, and its value."""
+    key, _, value = group.rpartition("=")
+    return f"{'.'.join(key.split('.')[-2:])}={value}" if key else group
+
+
+def _zero_if_nan(value: float) -> float:
+    return 0.0 if math.isnan(value) else value

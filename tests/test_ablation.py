@@ -222,6 +222,35 @@ def test_a_sweep_over_a_weight_is_grouped_by_its_key_and_drawn_as_a_utility_cost
     assert zero["n"] == 2 and zero["utility"] == pytest.approx(0.85) and zero["utility±"] == pytest.approx(half)
     assert zero["searches"] == 2.0 and zero["calls"] == 3.0 and zero["answerer_calls"] == 1.0
     assert [row["on_front"] for row in front.values()] == [True, True, False]
+    assert zero["calls±"] == 0.0  # both seeds made 3 calls an episode late in training
     printed = capsys.readouterr().out
     assert "utility-cost front" in printed and "env.reward.cost.search=0.5" in printed
     assert "dspo" not in json.loads(out.read_text())["summary"]  # grouped by the key, not the algorithm
+
+
+def test_the_front_figure_joins_the_rows_on_the_front_in_order_of_cost(tmp_path) -> None:
+    """`--front-figure`: one point per swept value at (calls, utility), the dashed front through the undominated
+    ones sorted by calls, and each value's searches per episode over training beside it."""
+    write_cost_run(tmp_path / "0_dspo_seed0", 0.0, 0, 0.8, [3.0] * 5)
+    write_cost_run(tmp_path / "1_dspo_seed0", 0.5, 0, 0.6, [1.0] * 5)
+    write_cost_run(tmp_path / "2_dspo_seed0", 1.0, 0, 0.5, [1.5] * 5)  # dominated by 0.5
+    figure = tmp_path / "front.png"
+    ablation.main([str(tmp_path), "--by", "env.reward.cost.search", "--front-figure", str(figure)])
+    assert figure.stat().st_size > 10_000
+    runs, _ = ablation.complete_runs(tmp_path, "env.reward.cost.search")
+    from dspo.front import front, plot_front
+
+    rows = front(runs, [ablation.run_record(run) for run in runs])
+    front_ax, searches_ax = plot_front(rows, runs).axes
+    (line,) = [line for line in front_ax.get_lines() if line.get_label() == "front"]
+    assert list(line.get_xdata()) == [2.0, 4.0] and list(line.get_ydata()) == pytest.approx([0.6, 0.8])
+    labels = [text.get_text() for text in front_ax.get_legend().get_texts()]
+    assert "cost.search=1.0 (n=1)" in labels
+    curves = {line.get_label(): line.get_ydata() for line in searches_ax.get_lines()}
+    assert list(curves["cost.search=0.5"]) == pytest.approx([1.0] * 5)
+
+
+def test_a_front_figure_without_a_swept_key_is_refused(tmp_path, sweep) -> None:
+    with pytest.raises(SystemExit):
+        ablation.main([str(sweep), "--front-figure", str(tmp_path / "f.png")])
+    assert not (tmp_path / "f.png").exists()

@@ -7,7 +7,8 @@ frozen second model (`dspo.env.answerer`: never trained, its weights never pushe
 the planner found: that answer is the system's, scored and reported in the planner's place (the planner's own answer
 is only logged, as `reward/planner_subem`). The planner's reward (`PlannerReward`):
 
-    total = answerer subEM + plan_weight x plan quality - cost.search x searches - cost.answerer x answerer calls
+    total = answerer subEM + plan_weight x plan quality
+            - cost.search x searches - cost.answerer x answerer calls - cost.unfinished x [ended by the budget]
 
 - the outcome is the answerer's subEM, so the dynamic filter keeps groups in which the answerer's success differs;
 - plan quality is checkable wherever an item names its gold pages (`gold_key`: the toy's `chain`, HotpotQA's
@@ -16,10 +17,15 @@ is only logged, as `reward/planner_subem`). The planner's reward (`PlannerReward
   the plan's rationality; here it is exact, which is what the miniature can check;
 - a search is one query sent to the search engine (a call with three queries is three); the answerer calls are the
   planner's asks plus the final hand-off (one per episode, always made);
+- an episode the budget ended (out of turns or tokens: `EpisodeRecord.truncated`) is an unfinished plan: the answerer
+  answers it all the same, so this cost is what tells the planner to end its plan rather than write a call it has no
+  turn left to run (a departure from the paper, whose planner ends by format; seen without it: that last-turn call
+  spread under RL, nothing paying against it);
 - plan quality and costs are trajectory-level shaping (`RewardResult.shaping`): they are known when the episode ends.
 
 Each term is logged as `reward/<name>`: `answerer_subem`, `planner_subem`, `plan_quality` (and `gold_pages` where
-the item names gold pages, `answer_found`), `searches`, `answerer_calls`, `cost` (the subtracted term).
+the item names gold pages, `answer_found`), `searches`, `answerer_calls`, `unfinished`, `cost` (the subtracted
+term).
 """
 
 from __future__ import annotations
@@ -46,10 +52,15 @@ SEARCHR1_INSTRUCTION = (
 
 @dataclass(frozen=True)
 class Costs:
-    """What the planner pays (`env.reward.cost.<key>`): per query sent to the search engine, per answerer call."""
+    """What the planner pays (`env.reward.cost.<key>`): per query sent to the search engine, per answerer call, and
+    per episode it did not end itself (out of turns or tokens: its last turn a call the loop could not run). The
+    answerer answers such an episode all the same, so without `unfinished` nothing in the reward tells the planner to
+    end its plan, and its last turn drifts (measured: under cost.search=0.1 a call on the last turn grew to 0.43 of the
+    episodes in 50 steps and the guard stopped 2 runs of 3 for length)."""
 
     search: float = 0.05
     answerer: float = 0.05
+    unfinished: float = 0.1
 
     @classmethod
     def of(cls, value: Costs | Mapping[str, float] | None) -> Costs:
@@ -129,7 +140,8 @@ class PlannerReward(SubEMReward):
     """The planner's reward (the module). Args (config keys `env.reward.<key>`):
     answerer: the frozen answerer (`dspo.env.answerer.EngineAnswerer`, or `ScriptedAnswerer` in tests).
     plan_weight: the weight of plan quality (0: logged, not paid).
-    cost: {search, answerer}: per query sent to the search engine, per answerer call (`Costs`).
+    cost: {search, answerer, unfinished}: per query sent to the search engine, per answerer call, per episode ended
+        by the budget instead of the planner (`Costs`).
     plan_quality: `gold_pages` (share of the item's gold pages retrieved) or `answer_found` (a retrieved passage
         states a gold answer).
     gold_key: the item metadata naming the gold pages (the toy: `chain`; HotpotQA: `supporting_titles`).
@@ -190,13 +202,14 @@ class PlannerReward(SubEMReward):
             "answer_found": float(any(sub_exact_match(f"{p.title} {p.text}", golds) for p in passages)),
             "searches": float(searches),
             "answerer_calls": float(calls),
+            "unfinished": float(episode.truncated),
         }
         gold = gold_titles(episode.item, self.gold_key)
         if gold:  # logged only where the item names its pages (a mean over those that do)
             found = {normalize_answer(p.title) for p in passages} & gold
             components["gold_pages"] = len(found) / len(gold)
         plan = components.get(self.plan_quality, 0.0)
-        cost = self.cost.search * searches + self.cost.answerer * calls
+        cost = self.cost.search * searches + self.cost.answerer * calls + self.cost.unfinished * episode.truncated
         components.update(plan_quality=plan, cost=cost)
         shaping = self.plan_weight * plan - cost
         return RewardResult(outcome, shaping=shaping, components=components, answer=answer or "")

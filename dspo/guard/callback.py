@@ -224,7 +224,7 @@ class Guard(pl.Callback):
         self._record(trainer, event)
         checkpoint = self._checkpoint(trainer)
         if checkpoint is not None and checkpoint.last_model_path:  # a resume continues from the healthy weights
-            trainer.save_checkpoint(checkpoint.last_model_path)
+            trainer.save_checkpoint(checkpoint.last_model_path, weights_only=False)  # full: optimizer + loops
 
     # ------------------------------------------------------------------------------------------ actions
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: RoundSignals, fired) -> str:
@@ -323,7 +323,7 @@ class Guard(pl.Callback):
             return
         if trainer.global_step == 0 and checkpoint.dirpath:
             start = str(Path(checkpoint.dirpath) / "start.ckpt")
-            trainer.save_checkpoint(start)
+            trainer.save_checkpoint(start, weights_only=False)  # full, as every dspo checkpoint
             self.best = checkpoint.keep(trainer, start, role="best")
         elif checkpoint.newest is not None and checkpoint.newest[0] == trainer.global_step:
             self.best = checkpoint.keep(trainer, checkpoint.newest[1], role="best")

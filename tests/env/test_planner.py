@@ -56,7 +56,9 @@ def searched(query: str, *passages: Passage, error: str | None = None, queries: 
 
 # ------------------------------------------------------------------------------------------ the reward by hand
 def test_the_planners_reward_is_the_answerers_outcome_plus_plan_quality_minus_costs_hand_computed():
-    reward = PlannerReward(ScriptedAnswerer(), plan_weight=0.2, cost={"search": 0.1, "answerer": 0.3})
+    reward = PlannerReward(
+        ScriptedAnswerer(), plan_weight=0.2, cost={"search": 0.1, "answerer": 0.3, "unfinished": 0.25}
+    )
     both = EpisodeRecord(  # two searches find both gold pages; the planner's own answer is wrong
         HOP2,
         [searched("Brikor Corp", BRIKOR), searched("Tares Brumin", TARES), TurnRecord("<answer> X </answer>")],
@@ -67,21 +69,23 @@ def test_the_planners_reward_is_the_answerers_outcome_plus_plan_quality_minus_co
         HOP2,
         [searched("Brikor", BRIKOR, queries=3), ask, searched("Tares", TARES, error="down"), TurnRecord("...")],
         "Lipindale",
+        truncated=True,  # out of turns: an unfinished plan
     )
     first, second = reward.score([both, half])
     # 1 + 0.2 x 1 - (0.1 x 2 searches + 0.3 x 1 call: the hand-off) = 0.7
     assert first.outcome == 1.0 and first.answer == "Lipindale" and first.total == pytest.approx(0.7)
     assert first.components == pytest.approx(
         {"answerer_subem": 1.0, "planner_subem": 0.0, "answer_found": 1.0, "searches": 2.0, "answerer_calls": 1.0,
-         "gold_pages": 1.0, "plan_quality": 1.0, "cost": 0.5}
+         "unfinished": 0.0, "gold_pages": 1.0, "plan_quality": 1.0, "cost": 0.5}
     )  # fmt: skip
-    # the failed search found nothing: the answerer has Brikor Corp's page only, no answer: 0 + 0.2 x 0.5 - (0.4 + 0.6)
-    assert second.outcome == 0.0 and second.answer == "" and second.total == pytest.approx(-0.9)
+    # the failed search found nothing: the answerer has Brikor Corp's page only, no answer; unfinished:
+    # 0 + 0.2 x 0.5 - (0.4 + 0.6 + 0.25)
+    assert second.outcome == 0.0 and second.answer == "" and second.total == pytest.approx(-1.15)
     assert second.components == pytest.approx(
         {"answerer_subem": 0.0, "planner_subem": 1.0, "answer_found": 0.0, "searches": 4.0, "answerer_calls": 2.0,
-         "gold_pages": 0.5, "plan_quality": 0.5, "cost": 1.0}
+         "unfinished": 1.0, "gold_pages": 0.5, "plan_quality": 0.5, "cost": 1.25}
     )  # fmt: skip
-    free = {"search": 0.0, "answerer": 0.0}
+    free = {"search": 0.0, "answerer": 0.0, "unfinished": 0.0}
     by_answer = PlannerReward(ScriptedAnswerer(), plan_weight=0.2, cost=free, plan_quality="answer_found")
     no_gold = EpisodeRecord(QAItem("nq-1", "Who?", ["Tares Brumin"]), [searched("Brikor", BRIKOR)], None)
     paid, unnamed = by_answer.score([half, no_gold])
