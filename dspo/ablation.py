@@ -35,29 +35,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dspo.analysis import RunInfo, available_tags, find_runs, last_step, run_series
+from dspo.analysis import RunInfo, available_tags, ci95, find_runs, last_step, run_series
 
 COLLAPSE_DROP = 0.05
 TOKEN_CURVE_COLUMNS = ["algorithm", "tokens", "mean", "std", "n"]
-# Student t quantiles t(0.975, df), df = 1..30 (standard table values); larger df use 1.96
-_T975 = [
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-    2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-]  # fmt: skip
-
-
-def ci95(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95 % Student-t interval); half-width NaN for fewer than 2 values."""
-    data = [float(v) for v in values if not math.isnan(float(v))]
-    if not data:
-        return math.nan, math.nan
-    mean = sum(data) / len(data)
-    if len(data) < 2:
-        return mean, math.nan
-    sd = math.sqrt(sum((v - mean) ** 2 for v in data) / (len(data) - 1))
-    df = len(data) - 1
-    t = _T975[df - 1] if df <= len(_T975) else 1.96
-    return mean, t * sd / math.sqrt(len(data))
 
 
 def run_record(run: RunInfo) -> dict[str, float | str | int | bool | None]:

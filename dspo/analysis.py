@@ -15,6 +15,7 @@ the same code works headless and inline in Jupyter (`%matplotlib inline` renders
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -405,3 +406,24 @@ def runs_frame(runs: Sequence[RunInfo]) -> pd.DataFrame:
             for r in runs
         ]
     )
+
+
+# Student t quantiles t(0.975, df), df = 1..30 (standard table values); larger df use 1.96
+_T975 = [
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+    2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+]  # fmt: skip
+
+
+def ci95(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95 % Student-t interval); half-width NaN for fewer than 2 values."""
+    data = [float(v) for v in values if not math.isnan(float(v))]
+    if not data:
+        return math.nan, math.nan
+    mean = sum(data) / len(data)
+    if len(data) < 2:
+        return mean, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in data) / (len(data) - 1))
+    df = len(data) - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    return mean, t * sd / math.sqrt(len(data))

@@ -5,7 +5,7 @@ utility against planning cost), part of the ablation report:
     python -m dspo.ablation outputs/multirun/<timestamp> --by env.reward.cost.search
 
 One row per value of the swept key (its runs are the seeds), each figure a mean with its 95 % half-width over them
-(`dspo.ablation.ci95`):
+(`dspo.analysis.ci95`):
 - utility: `test/subem_mean`, the system's accuracy on the test questions (under env=planner, the answerer's answers
   from what the trained planner found), and the final validation beside it;
 - cost: queries sent to the search engine and answerer calls per sampled episode (`reward/searches`,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dspo.analysis import RunInfo, run_series
+from dspo.analysis import RunInfo, ci95, run_series
 
 # (row key, logged tag): what each episode cost and earned, averaged over a run's last rounds
 LATE_TAGS = {
@@ -65,8 +65,6 @@ def _order(label: str) -> tuple:
 def front(runs: Sequence[RunInfo], records: Sequence[dict]) -> list[dict]:
     """One row per group of `runs` (`RunInfo.algorithm`: `<key>=<value>` under `--by`); `records` are
     `dspo.ablation.run_record`'s for the same runs."""
-    from dspo.ablation import ci95
-
     rows = []
     for label in sorted({r.algorithm for r in runs}, key=_order):
         group = [r for r in runs if r.algorithm == label]

@@ -3,7 +3,7 @@
 Plain Python, no torch: the reward, the toy world and the retrieval commands import this module, and `dspo-serve` /
 `dspo-index` start seconds sooner without torch and torchmetrics (measured: importing torchmetrics took 2.7 s, as its
 text metrics import transformers). The torchmetrics classes over these scores (`SubEM`, `ExactMatch`, `TokenF1`,
-`answer_metrics`, `benchmark_metrics`) live in `dspo.metric_collections` and are still importable from here.
+`answer_metrics`, `benchmark_metrics`) live in `dspo.metric_collections`, one layer up: it imports this module.
 
 One rule for blank answers, shared by the reward (`dspo.env.rewards`), evaluation (`dspo.eval.pipeline`) and these
 metrics: a missing answer (None) is wrong, and a gold answer that normalizes to the empty string (NQ has `*`, `---`,
@@ -73,15 +73,3 @@ def token_f1(prediction: str | None, golds: str | Sequence[str]) -> float:
         precision, recall = same / len(pred_tokens), same / len(gold_tokens)
         best = max(best, 2 * precision * recall / (precision + recall))
     return best
-
-
-_COLLECTIONS = ("SubEM", "ExactMatch", "TokenF1", "answer_metrics", "benchmark_metrics")
-
-
-def __getattr__(name: str):
-    """`from dspo.metrics import SubEM` (and the rest of `_COLLECTIONS`) imports torchmetrics only then."""
-    if name in _COLLECTIONS:
-        from dspo import metric_collections
-
-        return getattr(metric_collections, name)
-    raise AttributeError(f"module 'dspo.metrics' has no attribute {name!r}")

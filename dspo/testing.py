@@ -143,7 +143,7 @@ def worker_spec(max_staleness: int = 1, **changes: Any):
     a Python start-up, not an engine's. `changes` replace any field."""
     from dspo.algorithms.config import AlgorithmConfig
     from dspo.models import ModelConfig
-    from dspo.rollout.worker import WorkerSpec
+    from dspo.rollout.spec import WorkerSpec
 
     algorithm = AlgorithmConfig(group_size=4, batch_groups=2, micro_batch_size=3)
     fields = dict(engine=recording_engine, env=None, algorithm=algorithm, model=ModelConfig(path="unused"))

@@ -5,9 +5,11 @@ layer imports only those below it: engines, then the environment and the agent, 
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 ROLLOUT_LAYERS = [
     "dspo.agent",
@@ -65,3 +67,62 @@ def test_each_layer_imports_only_the_layers_below_it():
     assert not [m for m in engines if m.startswith(("dspo.agent", "dspo.env", "dspo.rollout"))]
     agent = imported_after(["dspo.agent", "dspo.agent.tool_calling", "dspo.agent.roles", "dspo.env.simulated"])
     assert not [m for m in agent if m.startswith("dspo.rollout")]
+
+
+def module_imports(root: Path) -> dict[str, set[str]]:
+    """{module: the dspo modules it imports}, read from the source: every import statement, at module level or inside
+    a function (a lazy import is a dependency all the same). `from package import submodule` is an edge to the
+    submodule; `from package import name` one to the package."""
+    modules = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                base = ".".join([*parts, node.module] if node.module else parts)
+                subs = {f"{base}.{alias.name}" for alias in node.names} & modules.keys()
+                found |= subs | ({base} if len(subs) < len(node.names) else set())
+        edges[name] = {other for other in found if other in modules and other != name}
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach each other through imports (strongly connected, more than one module)."""
+    order, low, stack, cycles, counter = {}, {}, [], [], iter(range(len(edges) + 1))
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = next(counter)
+        stack.append(node)
+        for other in edges[node]:
+            if other not in order:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], order[other])
+        if low[node] == order[node]:
+            group = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in order:
+            visit(node)
+    return cycles
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """A folder is a layer: a lower module never imports a higher one, not even lazily inside a function, so no
+    group of dspo modules imports itself round (the circles broken: metrics / metric_collections, models.lora /
+    models.weights, rollout.serve / rollout.worker, toy.demos / toy.sources, toy.sft / toy.warmstart, the agent
+    protocol / its agents, search.backends / search.streamed, ablation / front)."""
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check finds one
+    cycles = import_cycles(module_imports(Path(__file__).resolve().parents[1] / "dspo"))
+    assert not cycles, f"modules that import each other round: {cycles}"

@@ -5,17 +5,8 @@ import json
 import pytest
 import torch
 
-from dspo.metrics import (
-    ExactMatch,
-    SubEM,
-    TokenF1,
-    answer_metrics,
-    benchmark_metrics,
-    exact_match,
-    normalize_answer,
-    sub_exact_match,
-    token_f1,
-)
+from dspo.metric_collections import ExactMatch, SubEM, TokenF1, answer_metrics, benchmark_metrics
+from dspo.metrics import exact_match, normalize_answer, sub_exact_match, token_f1
 from dspo.resources import data_dir
 
 BENCHMARKS = data_dir() / "benchmarks"

@@ -2,6 +2,7 @@
 tool-calling loop (`tool_calling`) with its call parsing (`parsing`) and prompts (`prompts`). Depends on the engines
 and the environment (`dspo.env`), never on the rollout orchestration (`dspo.rollout`) or the trainer."""
 
+from dspo.agent.build import build_agent
 from dspo.agent.config import AgentConfig
 from dspo.agent.protocol import (
     Agent,
@@ -9,7 +10,6 @@ from dspo.agent.protocol import (
     AgentRollout,
     agent_setting,
     answering,
-    build_agent,
     check_agent_settings,
 )
 

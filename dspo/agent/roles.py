@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dspo.agent.accounting import CALL_STAT_KINDS
-from dspo.agent.protocol import Agent, AgentRollout, build_agent
+from dspo.agent.build import build_agent
+from dspo.agent.protocol import Agent, AgentRollout
 from dspo.agent.stats import Kind, kind_of
 from dspo.types import QAItem, RolloutGroup
 

@@ -35,8 +35,9 @@ from dspo.models.weights import policy_weights
 from dspo.record import write_record
 from dspo.rollout.link import TrainerLink
 from dspo.rollout.producer import RoundProducer
+from dspo.rollout.spec import WorkerSpec
 from dspo.rollout.transfer import check_transfer
-from dspo.rollout.worker import WorkerSpec, check_partial, check_staleness
+from dspo.rollout.worker import check_partial, check_staleness
 
 log = logging.getLogger(__name__)
 

@@ -104,7 +104,8 @@ def _progress(total: int, description: str) -> Any:
 
 
 def update_metrics(metrics: dict[str, MetricCollection], predictions: Iterable[Prediction]) -> None:
-    """Feed predictions into per-benchmark collections (from `dspo.metrics.benchmark_metrics`), one update each."""
+    """Feed predictions into per-benchmark collections (`dspo.metric_collections.benchmark_metrics`'s), one update
+    each."""
     by_benchmark: dict[str, list[Prediction]] = {}
     for prediction in predictions:
         by_benchmark.setdefault(prediction.benchmark, []).append(prediction)

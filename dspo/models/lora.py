@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dspo.models.names import clean_parameter_name
+
 log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's name of the one adapter dspo trains
@@ -218,8 +220,6 @@ def is_adapter_key(name: str) -> bool:
 
 def lora_scalings(root: nn.Module, prefix: str = "") -> dict[str, float]:
     """{adapted module's clean name without `prefix`: alpha / r} for the modules of `root` (any wrapper)."""
-    from dspo.models.weights import clean_parameter_name
-
     out = {}
     for name, module in root.named_modules():
         scaling = getattr(module, "scaling", None)

@@ -17,16 +17,7 @@ import torch
 from torch import nn
 
 from dspo.models.lora import is_adapter_key, lora_scalings, merge_adapters
-
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
-def clean_parameter_name(name: str) -> str:
-    """`policy._fsdp_wrapped_module.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight` ->
-    `policy.model.layers.0.mlp.up_proj.weight`."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+from dspo.models.names import clean_parameter_name
 
 
 def select_prefixed(state_dict: dict[str, torch.Tensor], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -42,7 +42,7 @@ class Ready:
 
 @dataclass(frozen=True)
 class RoundDone:
-    """A round generated (`dspo.rollout.worker.SampledRound`)."""
+    """A round generated (`dspo.rollout.spec.SampledRound`)."""
 
     sampled: Any
 

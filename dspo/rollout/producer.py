@@ -30,7 +30,8 @@ from dspo.data.rounds import RoundSlot
 from dspo.models import load_tokenizer
 from dspo.rollout.link import TrainerLink
 from dspo.rollout.sides import EngineProcessSide, LocalEngine
-from dspo.rollout.worker import WorkerSpec, staleness_stats
+from dspo.rollout.spec import WorkerSpec
+from dspo.rollout.worker import staleness_stats
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import torch
 
 from dspo.rollout.faults import fault_point
 from dspo.rollout.messages import Command, Failed, LoadWeights, Predict, Predictions, Ready, RoundDone, Stop
+from dspo.rollout.spec import POLL_S, SampledRound, WorkerSpec, round_seed
 from dspo.rollout.transfer import parent_alive
-from dspo.rollout.worker import POLL_S, SampledRound, WorkerSpec, round_seed
 from dspo.runtime import end_process
 
 

@@ -21,8 +21,9 @@ import torch
 from dspo.rollout.link import TrainerLink, on_every_rank
 from dspo.rollout.placement import colocated_device, engine_devices_for, share_the_cpu
 from dspo.rollout.sampler import RoundSampler
+from dspo.rollout.spec import WorkerSpec, round_seed
 from dspo.rollout.transfer import check_transfer
-from dspo.rollout.worker import EngineProcess, WorkerSpec, round_seed
+from dspo.rollout.worker import EngineProcess
 
 log = logging.getLogger(__name__)
 

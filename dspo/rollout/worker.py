@@ -45,8 +45,7 @@ import os
 import queue
 import signal
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,11 +53,10 @@ import torch
 from dspo.rollout.channel import Replies, ReplySender
 from dspo.rollout.faults import fault_point
 from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, Reply, RoundDone, Stop
-from dspo.types import RolloutGroup
+from dspo.rollout.serve import serve
+from dspo.rollout.spec import POLL_S, SampledRound, WorkerSpec
 
 log = logging.getLogger(__name__)
-
-POLL_S = 0.5  # how often a waiting side checks that the other is still alive
 
 
 class EngineProcessDied(RuntimeError):
@@ -67,49 +65,6 @@ class EngineProcessDied(RuntimeError):
 
 class EngineProcessError(RuntimeError):
     """The engine process raised (sampling exhausted, a tool failed the round, ...); the message has its traceback."""
-
-
-@dataclass
-class WorkerSpec:
-    """Everything the engine process builds its side from (pickled once, at spawn)."""
-
-    engine: Callable[..., Any]  # partial constructor taking model_path (conf/rollout/*.yaml `engine`)
-    agent: Any  # rollout.agent: the agent's constructor (dspo.agent.build_agent completes it: engine, tokenizer, env)
-    env: Any  # dspo.env.Environment, its EnvironmentSpec (built where the agent runs), or a bare retriever
-    algorithm: Any  # AlgorithmConfig
-    model: Any  # ModelConfig
-    seed: int
-    max_staleness: int
-    rank: int = 0
-    world_size: int = 1
-    threads: int = 1  # torch threads of the engine process
-    cores: list[int] | None = None  # CPU affinity of the engine process (None: inherit)
-    eval_batch_size: int = 64
-    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the engine process (None: the rank's own)
-    tokenizer: Any = None  # the trainer's tokenizer, for the agent (None: the engine process loads `model`'s)
-    weight_transfer: str = "shared_memory"  # rollout.weight_transfer (dspo.rollout.transfer)
-    imports: tuple[str, ...] = ()  # the run's `imports=`: user modules imported in the engine process before building
-    # rollout.partial_rollouts: the most rounds a carried group's oldest tokens may be behind the round that trains
-    # them (rollout.max_token_age; None: partial rollouts off, every round runs its groups to the end)
-    max_token_age: int | None = None
-
-
-@dataclass
-class SampledRound:
-    """One round as the engine process produced it. Groups are this rank's share, unbuilt (the trainer pads them)."""
-
-    index: int  # round r
-    groups: list[RolloutGroup]  # [B / world] kept groups
-    stats: dict[str, float]  # RoundSampler.sample_round's statistics
-    weights_round: int  # completed rounds of the weights that sampled it (every trajectory's newest tokens)
-    end_state: dict[str, Any] = field(default_factory=dict)  # sampler + keep-rate prior after it: round r+1's start
-    idle_s: float = 0.0  # time the engine process waited for weights before starting it
-    generation: tuple[float, float] = (0.0, 0.0)  # time.time() when its generation started and ended
-
-
-def round_seed(seed: int, round_index: int) -> int:
-    """The sampling seed of round `round_index` of a run seeded `seed`, whichever process generates it."""
-    return seed * 1_000_003 + round_index * 1_009
 
 
 def _engine_dtype(engine: Any) -> torch.dtype | None:
@@ -226,8 +181,6 @@ class EngineProcess:
         channels = (self.commands, ReplySender(writer), self.transfer)
         # not daemonic: it may start children (vLLM's multiprocess executor, tool pools); it exits with the trainer
         # by itself (`_exit_with_the_trainer`), and `close` ends it
-        from dspo.rollout.serve import serve
-
         self.process = self._ctx.Process(
             target=serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=False
         )

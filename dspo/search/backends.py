@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspo.search.prune import CscMatrix, pruned_top_k
-from dspo.search.streamed import TERM_MAX
+from dspo.search.prune import TERM_MAX, CscMatrix, pruned_top_k
 
 # measured on one core (bench/_scale.py queries): at 1M passages the dense row answers 301 queries/s and MaxScore 221
 # (the row is cheap there); at 5M MaxScore answers 66 queries/s while the row costs 40 MB per query

@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 from dspo.search.backends import _Bm25sEngine, _RankBm25Engine, _top_k, import_bm25s
 from dspo.search.corpus import iter_corpus, load_corpus
 from dspo.search.passages import PassageStore, passage_line, write_passages
-from dspo.search.streamed import TERM_MAX, build_streamed
+from dspo.search.prune import TERM_MAX
+from dspo.search.streamed import build_streamed
 from dspo.search.tantivy_backend import TantivyEngine, build_tantivy, check_tantivy_parameters
 from dspo.types import Passage
 

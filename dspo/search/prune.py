@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+TERM_MAX = "term_max.npy"  # beside the bm25s matrices: each term's highest score, the bound MaxScore prunes by
 SEED_LIST_MAX = 200_000  # lists up to this long give seed documents (a partial sort of each is cheap)
 SEED_PER_TERM = 32
 

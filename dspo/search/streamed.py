@@ -35,11 +35,12 @@ from typing import BinaryIO
 import numpy as np
 from tqdm.auto import tqdm
 
+from dspo.search.backends import import_bm25s
 from dspo.search.passages import PassageStore, PassageWriter
+from dspo.search.prune import TERM_MAX
 from dspo.types import Passage
 
 BM25S_DIR = "bm25s"
-TERM_MAX = "term_max.npy"
 BATCH = 10_000  # passages per tokenizer task
 _NAMES = {"data": "data.csc.index.npy", "indices": "indices.csc.index.npy", "indptr": "indptr.csc.index.npy"}
 
@@ -299,8 +300,6 @@ def check_unique_ids(directory: Path, id_hashes: array) -> None:
 
 
 def _write_bm25s_meta(out: Path, vocab: dict[str, int], k1: float, b: float, num_docs: int) -> None:
-    from dspo.search.backends import import_bm25s  # backends imports this module
-
     params = {
         "k1": k1, "b": b, "delta": 0.5, "method": "lucene", "idf_method": "lucene", "dtype": "float32",
         "int_dtype": "int32", "num_docs": num_docs, "version": import_bm25s().__version__, "backend": "numpy",

@@ -17,13 +17,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dspo.toy.world import ANSWER_TYPE
 from dspo.types import QAItem
 
 CORRECT = "correct"
 IMPERFECT_KINDS = ("no_search", "wrong_hop", "distractor", "malformed")
-# Which entity type a relation points to (for plausible wrong guesses).
-ANSWER_TYPE = {"born_in": "city", "founded_by": "person", "country": "country", "capital": "city", "city": "city"}
-ANSWER_TYPE |= {"person": "person"}  # a landmark's patron or designer (3-/4-hop chains, dspo.toy.deep)
 # How the scripted thoughts name a relation: "the {phrase} of {entity}" (see _plan).
 RELATION_PHRASE = {"born_in": "birthplace", "founded_by": "founder", "country": "country", "capital": "capital"}
 RELATION_PHRASE |= {"city": "city", "person": "patron or designer"}

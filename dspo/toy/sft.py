@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -17,8 +17,15 @@ from tqdm.auto import tqdm
 from dspo.toy.drills import Example
 from dspo.types import Trajectory
 
-if TYPE_CHECKING:
-    from dspo.toy.warmstart import WarmStartConfig
+
+class SFTSettings(Protocol):
+    """What the loop reads of its config (`dspo.toy.warmstart.WarmStartConfig` has them)."""
+
+    seed: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    grad_clip: float
 
 
 def demo_examples(
@@ -73,7 +80,7 @@ def sft_loss(
 
 
 def train_sft(
-    model: torch.nn.Module, stages: list[tuple[list[Example], int, int]], pad_id: int, config: WarmStartConfig
+    model: torch.nn.Module, stages: list[tuple[list[Example], int, int]], pad_id: int, config: SFTSettings
 ) -> list[float]:
     """AdamW, linear warm-up then cosine decay over all stages; `stages` = [(examples, steps, batch_size)] run in
     order. Returns the loss per step."""

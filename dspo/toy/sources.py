@@ -27,7 +27,7 @@ from dspo.env.search_tool import SearchTool, queries_from_arguments
 from dspo.metrics import normalize_answer
 from dspo.search.bm25 import BM25Index, build_or_load_index
 from dspo.search.corpus import load_corpus
-from dspo.toy.demos import ANSWER_TYPE
+from dspo.toy.world import ANSWER_TYPE
 from dspo.types import Passage
 
 # tool name -> the entity types whose pages that source holds (every type exactly once)

@@ -31,6 +31,9 @@ FORMAT_VERSION = 6  # bump when the generated text changes, so cached worlds are
 SPLITS = ("train", "val", "test", "demo")  # demo: entities only the warm-start demonstrations use
 HOP_SPLITS = ("val", "test")  # also written per question type (val_1hop.jsonl, ...): benchmarks toy_1hop / toy_2hop
 # (3- and 4-hop files beside them, on a random stream of their own: dspo.toy.deep, benchmarks toy_3hop / toy_4hop)
+# Which entity type a relation points to (the demonstrations' plausible wrong guesses, env=two_sources' hop sources)
+ANSWER_TYPE = {"born_in": "city", "founded_by": "person", "country": "country", "capital": "city", "city": "city"}
+ANSWER_TYPE |= {"person": "person"}  # a landmark's patron or designer (3-/4-hop chains, dspo.toy.deep)
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr", "v"]
 _ONSETS += ["z", "th", "sh", "j", "h"]

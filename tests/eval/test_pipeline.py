@@ -20,7 +20,7 @@ from dspo.eval.pipeline import (
     update_metrics,
     write_results,
 )
-from dspo.metrics import benchmark_metrics
+from dspo.metric_collections import benchmark_metrics
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 

@@ -110,7 +110,8 @@ import sys, time, torch
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
-from dspo.rollout.worker import EngineProcess, WorkerSpec
+from dspo.rollout.spec import WorkerSpec
+from dspo.rollout.worker import EngineProcess
 from dspo.testing import StandInTokenizer, recording_engine, slow_agent, toy_items
 
 if __name__ == "__main__":

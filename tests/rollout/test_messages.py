@@ -9,7 +9,7 @@ import pytest
 
 from dspo.rollout import messages
 from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, RoundDone, Stop
-from dspo.rollout.worker import SampledRound
+from dspo.rollout.spec import SampledRound
 
 EXAMPLES = [
     LoadWeights(3, (12, 100)),

@@ -19,7 +19,7 @@ from dspo.models.weights import policy_weights
 from dspo.rollout.link import TrainerLink
 from dspo.rollout.producer import RoundProducer, RoundState
 from dspo.rollout.sides import EngineProcessSide, LocalEngine
-from dspo.rollout.worker import WorkerSpec
+from dspo.rollout.spec import WorkerSpec
 from dspo.testing import RecordingEngine
 
 

@@ -83,7 +83,8 @@ def test_partial_rollouts_default_to_one_round_more_than_max_staleness():
 
 
 def test_a_round_outside_its_bounds_is_refused():
-    from dspo.rollout.worker import SampledRound, check_round_bounds
+    from dspo.rollout.spec import SampledRound
+    from dspo.rollout.worker import check_round_bounds
 
     carried = _group([1, 1])  # oldest tokens from the weights after 1 round
     check_round_bounds(SampledRound(3, [carried], {}, weights_round=2), max_staleness=1, max_token_age=2)
@@ -356,7 +357,8 @@ import sys, time, torch
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
-from dspo.rollout.worker import EngineProcess, WorkerSpec
+from dspo.rollout.spec import WorkerSpec
+from dspo.rollout.worker import EngineProcess
 from dspo.testing import StandInTokenizer, recording_engine, scripted_agent, toy_items
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ class EndpointAgent:
     """Rolls out `env.agent` (an async function, module docstring) `group_size` times per item, all at once.
 
     Args:
-        engine, tokenizer, env: as for every agent (`dspo.agent.protocol.build_agent`); `env.agent` is the function.
+        engine, tokenizer, env: as for every agent (`dspo.agent.build.build_agent`); `env.agent` is the function.
         config: the episode's budgets and sampling (`rollout.agent`'s settings), or give them as keywords.
         batch_wait_s: how long a queued request waits for episodes still running user code before its batch goes.
         episode_timeout_s: an episode running longer is an agent error.

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dspo.agent import AgentConfig
+from dspo.agent.build import build_agent
 from dspo.agent.endpoint import AgentFailureError, EndpointAgent
-from dspo.agent.protocol import build_agent
 from dspo.agent.tool_calling import ToolCallingAgent
 from dspo.data.buffer import build_round
 from dspo.engines.scripted import ScriptedEngine

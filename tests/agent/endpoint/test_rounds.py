@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from dspo.agent import AgentConfig
+from dspo.agent.build import build_agent
 from dspo.agent.endpoint import EndpointAgent
-from dspo.agent.protocol import build_agent
 from dspo.agent.tool_calling import ToolCallingAgent
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment, SearchTool, SubEMReward
