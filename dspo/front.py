@@ -34,6 +34,7 @@ LATE_TAGS = {
     "answerer_calls": "reward/answerer_calls",
     "sampled_answerer_subem": "reward/answerer_subem",
     "plan_quality": "reward/plan_quality",
+    "unfinished": "reward/unfinished",  # episodes the budget ended (cost.unfinished)
 }
 COLUMNS = [  # (row key, heading, format)
     ("utility", "test subEM", "{:.3f}"),
@@ -42,6 +43,7 @@ COLUMNS = [  # (row key, heading, format)
     ("answerer_calls", "answerer calls/episode", "{:.2f}"),
     ("sampled_answerer_subem", "sampled answerer subEM", "{:.3f}"),
     ("plan_quality", "plan quality", "{:.3f}"),
+    ("unfinished", "unfinished/episode", "{:.2f}"),
 ]
 
 
