@@ -137,7 +137,7 @@ def test_a_drop_at_the_last_validation_ends_the_run_on_the_healthy_checkpoint(tm
     trainer_.max_steps, trainer_.global_step = 20, 10
     trainer_.callbacks = [callback.RoundCheckpoint(str(tmp_path))]
     trainer_.callbacks[0].last_model_path = str(tmp_path / "last.ckpt")
-    trainer_.save_checkpoint = saved.append
+    trainer_.save_checkpoint = lambda path, weights_only=None: saved.append(path) if weights_only is False else None
     guard, module = Guard(detectors={"val_drop": {}}, max_rollbacks=0), Module()
     guard.healthy = str(tmp_path / "step00016.ckpt")
     guard.on_validation_end(trainer_, module)  # step 10 of 20: the next round reads it
@@ -182,7 +182,7 @@ def test_a_new_best_validation_keeps_the_checkpoint_it_validated_and_val_drop_ro
     module.trainer, module.optim_cfg = trainer_, SimpleNamespace(lr=1e-3)
     monkeypatch.setattr(callback, "set_lr_scale", lambda *args: None)
     saved = []
-    trainer_.save_checkpoint = saved.append
+    trainer_.save_checkpoint = lambda path, weights_only=None: saved.append(path) if weights_only is False else None
     for step, value in ((0, 0.4), (4, 0.6), (8, 0.55), (12, 0.45)):
         trainer_.global_step = step
         checkpoint.newest = (step, str(tmp_path / f"step{step:05d}.ckpt")) if step else None
@@ -222,7 +222,7 @@ def test_an_environment_whose_validation_moves_turns_val_drop_off(tmp_path, over
     assert guard.steady_validation is steady and ("val_drop" in guard.detectors) is steady
     trainer_ = trainer(tmp_path, val__subem_mean=0.9)
     trainer_.callbacks = [callback_checkpoint(tmp_path)]
-    trainer_.max_steps, trainer_.global_step, trainer_.save_checkpoint = 20, 0, lambda path: None
+    trainer_.max_steps, trainer_.global_step, trainer_.save_checkpoint = 20, 0, lambda path, weights_only=None: None
     guard.on_validation_end(trainer_, Module())
     assert (guard.best is not None) is steady  # no best target either: it would be chosen by an easier validation
 
