@@ -114,7 +114,10 @@ def query_child(index: str, queries_path: str) -> dict:
     import psutil
 
     ms = np.array(warm) * 1000
+    counts = getattr(ix.engine, "tier_counts", None)  # bm25s: queries the impact tiers' heads decided alone
+    heads = {"heads_share": round(counts.heads / max(1, counts.heads + counts.fallback), 3)} if counts else {}
     return {
+        **heads,
         "load_s": round(load_s, 2),
         "query_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
         "queries": len(queries),

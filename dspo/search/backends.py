@@ -1,9 +1,10 @@
 """The scoring engines behind `dspo.search.bm25.BM25Index`: bm25s's sparse matrix (dense or pruned top-k) and
 rank-bm25 (the pure-Python reference). See bm25.py's docstring for the BM25 variant they share.
 
-`_Bm25sEngine.top_k` scores a whole [N] row per query (`score_rows` + `_top_k`) on small corpora, and switches to
-MaxScore pruning (dspo/search/prune.py, bit-identical results) from `PRUNE_MIN_DOCS` passages up, where the row
-itself is the cost (measured in bench/retrieval.py --scale).
+`_Bm25sEngine.top_k` scores a whole [N] row per query (`score_rows` + `_top_k`) on small corpora, and from
+`PRUNE_MIN_DOCS` passages up, where the row itself is the cost (measured in bench/retrieval.py --scale), answers
+from the long lists' best-scored heads (dspo/search/tiers.py) or, when those do not decide, by MaxScore pruning
+(dspo/search/prune.py); both give the row's results bit-identically.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dspo.search.prune import TERM_MAX, CscMatrix, pruned_top_k
+from dspo.search.prune import TERM_MAX, CscMatrix
+from dspo.search.tiers import TIERS_DIR, ImpactTiers, TierCounts, build_tiers, tiered_top_k
 
 # measured on one core (bench/_scale.py queries): at 1M passages the dense row answers 301 queries/s and MaxScore 221
 # (the row is cheap there); at 5M MaxScore answers 66 queries/s while the row costs 40 MB per query
@@ -68,11 +70,15 @@ def import_bm25s():
 class _Bm25sEngine:
     """bm25s index: build with bm25s, score by reading its CSC matrix (data/indices/indptr) directly."""
 
-    def __init__(self, model, term_max: np.ndarray | None = None) -> None:  # model: bm25s.BM25
+    def __init__(
+        self, model, term_max: np.ndarray | None = None, tiers: ImpactTiers | None = None
+    ) -> None:  # model: bm25s.BM25
         self.model = model
         self.vocab: dict[str, int] = model.vocab_dict
         self.num_docs = int(model.scores["num_docs"])
         self._term_max = term_max
+        self._tiers = tiers
+        self.tier_counts = TierCounts()  # queries answered from the heads alone / by the MaxScore fallback
         self.prune_min_docs = PRUNE_MIN_DOCS
 
     @classmethod
@@ -116,6 +122,12 @@ class _Bm25sEngine:
                 self._term_max[nonempty] = np.maximum.reduceat(data, indptr[nonempty])
         return CscMatrix(scores["data"], scores["indices"], scores["indptr"], self._term_max, self.num_docs)
 
+    def tiers(self) -> ImpactTiers:
+        """The long lists' heads (stored by the builds, else computed once: an index saved before them)."""
+        if self._tiers is None:
+            self._tiers = build_tiers(self.matrix())
+        return self._tiers
+
     def top_k(self, token_lists: list[list[str]], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(document ids [k], scores [k]) per query, best first, ties to the lower document."""
         if self.num_docs < self.prune_min_docs:
@@ -123,18 +135,21 @@ class _Bm25sEngine:
                 top = _top_k(scores, k)
                 yield top, scores[top]
             return
-        matrix = self.matrix()
+        matrix, tiers = self.matrix(), self.tiers()
         for tokens in token_lists:
-            yield pruned_top_k(matrix, self._columns(tokens), k)
+            yield tiered_top_k(matrix, tiers, self._columns(tokens), k, self.tier_counts)
 
     def save(self, path: Path) -> None:
         self.model.save(str(path / "bm25s"))
+        np.save(path / TERM_MAX, self.matrix().term_max)
+        self.tiers().save(path / TIERS_DIR)
 
     @classmethod
     def load(cls, path: Path, mmap: bool) -> _Bm25sEngine:
         bm25s = import_bm25s()
         term_max = np.load(path / TERM_MAX) if (path / TERM_MAX).is_file() else None
-        return cls(bm25s.BM25.load(str(path / "bm25s"), mmap=mmap), term_max)
+        tiers = ImpactTiers.load(path / TIERS_DIR, mmap)
+        return cls(bm25s.BM25.load(str(path / "bm25s"), mmap=mmap), term_max, tiers)
 
 
 class _RankBm25Engine:

@@ -38,7 +38,6 @@ from tqdm.auto import tqdm
 from dspo.search.backends import _Bm25sEngine, _RankBm25Engine, _top_k, import_bm25s
 from dspo.search.corpus import iter_corpus, load_corpus
 from dspo.search.passages import PassageStore, passage_line, write_passages
-from dspo.search.prune import TERM_MAX
 from dspo.search.streamed import build_streamed
 from dspo.search.tantivy_backend import TantivyEngine, build_tantivy, check_tantivy_parameters
 from dspo.types import Passage
@@ -198,8 +197,6 @@ class BM25Index:
         with staged_index_dir(directory, overwrite) as tmp:
             self._passages_sha256 = write_passages(tmp, self.passages)
             self.engine.save(tmp)
-            if isinstance(self.engine, _Bm25sEngine):
-                np.save(tmp / TERM_MAX, self.engine.matrix().term_max)
             (tmp / MANIFEST).write_text(json.dumps(self.manifest(), indent=2) + "\n")
         return Path(directory)
 

@@ -45,28 +45,34 @@ class CscMatrix:
         return self.indices[lo:hi], self.data[lo:hi]
 
 
-def exact_scores(matrix: CscMatrix, candidates: np.ndarray, terms: list[int]) -> np.ndarray:
-    """Scores [C] float64 of sorted unique `candidates`, adding each query term (repeats included) in query order.
+def term_weights(matrix: CscMatrix, term: int, candidates: np.ndarray) -> np.ndarray:
+    """Term `term`'s score [C] float64 in each of the sorted unique `candidates` (0 where absent).
 
-    Per term the cheaper direction is taken: a short list is located in the candidates, or the candidates are
-    looked up in a long list (both binary searches over sorted arrays)."""
+    The cheaper direction is taken: a short list is located in the candidates, or the candidates are looked up in a
+    long list (both binary searches over sorted arrays)."""
+    out = np.zeros(candidates.size, dtype=np.float64)
+    docs, weights = matrix.postings(term)
+    if docs.size == 0 or candidates.size == 0:
+        return out
+    if docs.size <= candidates.size:
+        at = np.searchsorted(candidates, docs)
+        inside = at < candidates.size
+        found = np.zeros(docs.size, dtype=bool)
+        found[inside] = candidates[at[inside]] == docs[inside]
+        out[at[found]] = weights[found]
+    else:
+        at = np.minimum(np.searchsorted(docs, candidates), docs.size - 1)
+        found = docs[at] == candidates
+        out[found] = weights[at[found]]
+    return out
+
+
+def exact_scores(matrix: CscMatrix, candidates: np.ndarray, terms: list[int]) -> np.ndarray:
+    """Scores [C] float64 of sorted unique `candidates`, adding each query term (repeats included) in query order
+    (adding 0.0 where a term is absent leaves a sum unchanged, so this is the dense row's arithmetic)."""
     scores = np.zeros(candidates.size, dtype=np.float64)
-    if candidates.size == 0:
-        return scores
     for term in terms:
-        docs, weights = matrix.postings(term)
-        if docs.size == 0:
-            continue
-        if docs.size <= candidates.size:
-            at = np.searchsorted(candidates, docs)
-            inside = at < candidates.size
-            found = np.zeros(docs.size, dtype=bool)
-            found[inside] = candidates[at[inside]] == docs[inside]
-            scores[at[found]] += weights[found]
-        else:
-            at = np.minimum(np.searchsorted(docs, candidates), docs.size - 1)
-            found = docs[at] == candidates
-            scores[found] += weights[at[found]]
+        scores += term_weights(matrix, term, candidates)
     return scores
 
 
@@ -85,9 +91,20 @@ def _seed(matrix: CscMatrix, unique: np.ndarray, impact: np.ndarray, lengths: np
     return np.unique(np.concatenate(picked))
 
 
-def _locate(candidates: np.ndarray, docs: np.ndarray) -> np.ndarray:
-    """Positions in sorted `candidates` of `docs`, which are all among them."""
-    return np.searchsorted(candidates, docs)
+def merge_postings(docs: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The union of sorted document lists (unique, ascending [C]) and, per document, the sum of its `values` [C].
+
+    A stable argsort of the concatenated lists is a merge of sorted runs (timsort): at 21M passages 17x faster than
+    `np.unique` over the same 700k postings, which sorts from scratch."""
+    if len(docs) == 1:
+        return docs[0], values[0]
+    merged, summed = np.concatenate(docs), np.concatenate(values)
+    if merged.size == 0:
+        return merged, summed
+    order = np.argsort(merged, kind="stable")
+    merged, summed = merged[order], summed[order]
+    first = np.concatenate(([True], merged[1:] != merged[:-1]))
+    return merged[first], np.bincount(np.cumsum(first) - 1, weights=summed)
 
 
 def rank(candidates: np.ndarray, scores: np.ndarray, k: int, num_docs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,32 +129,70 @@ def rank(candidates: np.ndarray, scores: np.ndarray, k: int, num_docs: int) -> t
     return docs, best
 
 
-def pruned_top_k(matrix: CscMatrix, terms: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k (document ids [k], scores [k] float64) of a query given as term ids (repeats count again)."""
+def pruned_top_k(matrix: CscMatrix, terms: list[int], k: int, floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k (document ids [k], scores [k] float64) of a query given as term ids (repeats count again). `floor`: a
+    known lower bound of the k-th score (dspo/search/tiers.py passes one), which raises the first threshold."""
     k = min(k, matrix.num_docs)
     if not terms:
         return rank(np.zeros(0, dtype=np.int32), np.zeros(0), k, matrix.num_docs)
     unique, repeats = np.unique(np.asarray(terms, dtype=np.int64), return_counts=True)
     impact = matrix.term_max[unique].astype(np.float64) * repeats
     lengths = matrix.indptr[unique + 1] - matrix.indptr[unique]
-    seed = _seed(matrix, unique, impact, lengths)
+    # a floor from the impact tiers' heads is at least as high as the seeds would give: no seeds then
+    seed = _seed(matrix, unique, impact, lengths) if floor <= 0 else np.zeros(0, dtype=np.int32)
     seed_scores = exact_scores(matrix, seed, terms)
     theta0 = np.partition(seed_scores, seed.size - k)[seed.size - k] if seed.size >= k else 0.0
+    theta0 = max(theta0, floor)
     by_impact = np.argsort(impact, kind="stable")
     # a margin against float rounding: the bound must stay strictly below any score it excludes
     non_essential = by_impact[np.cumsum(impact[by_impact]) * (1 + 1e-9) < theta0]
     essential = np.setdiff1d(np.arange(unique.size), non_essential)
-    if essential.size == 0:
+    if essential.size == 0:  # no document reaches theta0 but the seeds (a valid floor is never above every score)
         return rank(seed, seed_scores, k, matrix.num_docs)
     lists = [matrix.postings(int(unique[i])) for i in essential]
-    candidates = np.unique(np.concatenate([docs for docs, _ in lists]))
     # partial scores from the essential terms (a lower bound of each score, so their k-th best raises theta) and an
     # upper bound with every non-essential term at its maximum: only candidates that may reach theta are scored
-    partial = np.zeros(candidates.size)
-    for i, (docs, weights) in zip(essential.tolist(), lists, strict=True):
-        partial[_locate(candidates, docs)] += weights.astype(np.float64) * float(repeats[i])
-    theta = max(theta0, np.partition(partial, partial.size - k)[partial.size - k] if partial.size >= k else 0.0)
-    # margins of 1e-6: bounds computed in another summation order than the exact scores must not cut a tie
-    bound = (partial + float(impact[non_essential].sum())) * (1 + 1e-6)
-    survivors = candidates[bound >= theta * (1 - 1e-6)]
+    weighted = [weights.astype(np.float64) * float(repeats[i]) for i, (_, weights) in zip(essential.tolist(), lists)]
+    candidates, partial = merge_postings([docs for docs, _ in lists], weighted)
+    theta = theta0
+    order = non_essential[np.argsort(-impact[non_essential], kind="stable")]
+    survivors = _refine(
+        matrix, candidates, partial, [(int(unique[i]), int(repeats[i]), impact[i]) for i in order], k, theta
+    )
     return rank(survivors, exact_scores(matrix, survivors, terms), k, matrix.num_docs)
+
+
+def _refine(
+    matrix: CscMatrix,
+    candidates: np.ndarray,
+    partial: np.ndarray,
+    non_essential: list[tuple[int, int, float]],
+    k: int,
+    theta: float,
+) -> np.ndarray:
+    """The candidates that may still reach theta, adding the non-essential terms (term, repeats, impact) one at a
+    time, largest impact first: after each, a candidate's bound is its partial score plus the impacts still to add,
+    and the k-th best partial score (a lower bound) may raise theta (MaxScore's document-at-a-time bound test,
+    done a term at a time over the surviving candidates)."""
+    remaining = float(sum(impact for _, _, impact in non_essential))
+    for term, repeats, impact in [(None, 0, 0.0), *non_essential]:
+        if term is not None:
+            partial = partial + term_weights(matrix, term, candidates) * repeats
+            remaining -= impact
+        candidates, partial = _reaching(candidates, partial, remaining, theta)
+        # a candidate whose partial score reaches theta was kept: the k-th best among the kept is the k-th overall
+        if partial.size > k:
+            raised = float(np.partition(partial, partial.size - k)[partial.size - k])
+            if raised > theta:
+                theta = raised
+                candidates, partial = _reaching(candidates, partial, remaining, theta)
+    return candidates
+
+
+def _reaching(
+    candidates: np.ndarray, partial: np.ndarray, remaining: float, theta: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (and their partial scores) whose bound, partial + remaining, reaches theta."""
+    # margins of 1e-6: bounds computed in another summation order than the exact scores must not cut a tie
+    keep = (partial + max(remaining, 0.0)) * (1 + 1e-6) >= theta * (1 - 1e-6)
+    return candidates[keep], partial[keep]
