@@ -282,6 +282,17 @@ CITED += [
     ),
     ("docs/search.md", "18.4 GiB (3.33) | **36** |", "36", "retrieval.json", scale(WIKI18, "tantivy", "qps_single")),
     ("docs/search.md", "| **36** | 22 ms | **96 ms** |", "96", "retrieval.json", scale(WIKI18, "tantivy", "p99_ms")),
+    ("docs/search.md", "| **bm25s** | **1,484 s** |", "1484", "retrieval.json", scale(WIKI18, "bm25s", "build_s")),
+    (
+        "docs/search.md",
+        "with workers: **2.55**)",
+        "2.55",
+        "retrieval.json",
+        scale(WIKI18, "bm25s", "build_peak_anon_tree_gib"),
+    ),
+    ("docs/search.md", "(13.29) | **70** |", "70", "retrieval.json", scale(WIKI18, "bm25s", "qps_single")),
+    ("docs/search.md", "| **70** | 7.5 ms | **125 ms** |", "125", "retrieval.json", scale(WIKI18, "bm25s", "p99_ms")),
+    ("bench/README.md", "(0.033)", "0.033", "retrieval.json", scale(WIKI18, "bm25s", "heads_share")),
     (
         "docs/search.md",
         "| 5,000,000 | bm25s | 390 s |",
