@@ -22,9 +22,9 @@ import numpy as np
 from dspo.search.prune import TERM_MAX, CscMatrix
 from dspo.search.tiers import TIERS_DIR, ImpactTiers, TierCounts, build_tiers, tiered_top_k
 
-# measured on one core (bench/_scale.py queries): at 1M passages the dense row answers 301 queries/s and MaxScore 221
-# (the row is cheap there); at 5M MaxScore answers 66 queries/s while the row costs 40 MB per query
-PRUNE_MIN_DOCS = 2_000_000
+# measured on one core (bench/_scale.py queries, warm): at 1M passages the dense row answers 248-289 queries/s and
+# the impact tiers with MaxScore 766-802; at 5M, 40-41 against 287-310. Below this the row is cheap.
+PRUNE_MIN_DOCS = 500_000
 
 
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:

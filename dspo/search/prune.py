@@ -5,13 +5,19 @@ The dense path (`_Bm25sEngine.score_rows`) sums a query's posting lists into an 
 
 1. A first threshold theta0: the k-th best exact score among a few seed documents (the best-weighted documents of
    each posting list that is not too long to partially sort).
+   A caller that knows a lower bound of the k-th score (the impact tiers, dspo/search/tiers.py) passes it as
+   `floor` instead, and the seeds are skipped.
 2. Terms sorted by their largest possible contribution (`term_max`, stored by the streamed build, times the term's
    repetitions in the query); the longest prefix whose contributions sum to less than theta0 is "non-essential":
    a document that contains only non-essential terms scores below theta0 <= the final k-th score, so it cannot be
    in the top k.
-3. Candidates = documents of the essential terms' lists. Their partial scores (essential terms only) bound each
-   score from below, so their k-th best may raise the threshold; partial + the non-essential terms' maxima bounds
-   it from above, so only candidates whose bound reaches the threshold are scored exactly with every query term.
+3. Candidates = documents of the essential terms' lists (merged as sorted runs). Their partial scores (essential
+   terms only) bound each score from below, so their k-th best may raise the threshold; partial + the
+   non-essential terms' maxima bounds it from above.
+4. The non-essential terms are added one at a time, largest maximum first, to the candidates still in reach;
+   after each, a candidate whose partial score plus the maxima still to add falls below the threshold is dropped.
+   Only the few left are scored exactly with every query term (at 21M passages ~21 a query, against ~20,000 when
+   the bound used every non-essential maximum at once).
 
 Exactness: candidate scores are summed in float64 over the query's terms in query order, the order the dense
 path's `np.bincount` adds them, so scores are bit-identical, and ties go to the lower document index, as in

@@ -142,7 +142,9 @@ def _threshold(
     matrix: CscMatrix, terms: list[int], k: int, candidates: np.ndarray, lower: np.ndarray, upper: np.ndarray
 ) -> float:
     """A lower bound of the final k-th score: the k-th best of the candidates' lower bounds, or of the exact scores
-    of the PROBE candidates with the best upper bounds (a few binary searches; usually the final k-th score)."""
+    of the PROBE candidates with the best upper bounds (a few binary searches). At 21M passages it was often well
+    below the final k-th score (4.8 against 8.4), which the MaxScore fallback then raises; probing up to 2,048
+    candidates, or the best lower bounds too, did not change the rate measurably."""
     theta = float(np.partition(lower, lower.size - k)[lower.size - k]) if lower.size >= k else 0.0
     probe = max(PROBE, k)
     best = candidates if candidates.size <= probe else np.sort(candidates[np.argpartition(-upper, probe)[:probe]])
