@@ -97,20 +97,22 @@ def _seed(matrix: CscMatrix, unique: np.ndarray, impact: np.ndarray, lengths: np
     return np.unique(np.concatenate(picked))
 
 
-def merge_postings(docs: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """The union of sorted document lists (unique, ascending [C]) and, per document, the sum of its `values` [C].
+def merge_postings(docs: list[np.ndarray], *values: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """The union of sorted document lists (unique, ascending [C]) and, for each of `values` (arrays aligned with
+    `docs`), the per-document sum [C]: one merge serves every sum.
 
     A stable argsort of the concatenated lists is a merge of sorted runs (timsort): 26 ms against `np.unique`'s
     450 ms (which sorts from scratch) on 700k random postings of 21M documents."""
     if len(docs) == 1:
-        return docs[0], values[0]
-    merged, summed = np.concatenate(docs), np.concatenate(values)
+        return docs[0], *(value[0] for value in values)
+    merged = np.concatenate(docs)
     if merged.size == 0:
-        return merged, summed
+        return merged, *(np.concatenate(value) for value in values)
     order = np.argsort(merged, kind="stable")
-    merged, summed = merged[order], summed[order]
+    merged = merged[order]
     first = np.concatenate(([True], merged[1:] != merged[:-1]))
-    return merged[first], np.bincount(np.cumsum(first) - 1, weights=summed)
+    group = np.cumsum(first) - 1
+    return merged[first], *(np.bincount(group, weights=np.concatenate(value)[order]) for value in values)
 
 
 def rank(candidates: np.ndarray, scores: np.ndarray, k: int, num_docs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,14 +158,12 @@ def pruned_top_k(matrix: CscMatrix, terms: list[int], k: int, floor: float = 0.0
     if essential.size == 0:  # no document reaches theta0 but the seeds (a valid floor is never above every score)
         return rank(seed, seed_scores, k, matrix.num_docs)
     lists = [matrix.postings(int(unique[i])) for i in essential]
-    # partial scores from the essential terms (a lower bound of each score, so their k-th best raises theta) and an
-    # upper bound with every non-essential term at its maximum: only candidates that may reach theta are scored
+    # partial scores from the essential terms: a lower bound of each score, to which _refine adds the rest
     weighted = [weights.astype(np.float64) * float(repeats[i]) for i, (_, weights) in zip(essential.tolist(), lists)]
     candidates, partial = merge_postings([docs for docs, _ in lists], weighted)
-    theta = theta0
     order = non_essential[np.argsort(-impact[non_essential], kind="stable")]
     survivors = _refine(
-        matrix, candidates, partial, [(int(unique[i]), int(repeats[i]), impact[i]) for i in order], k, theta
+        matrix, candidates, partial, [(int(unique[i]), int(repeats[i]), impact[i]) for i in order], k, theta0
     )
     return rank(survivors, exact_scores(matrix, survivors, terms), k, matrix.num_docs)
 

@@ -126,8 +126,8 @@ def tiered_top_k(
         return pruned_top_k(matrix, terms, k)
     weights = [s.astype(np.float64) * rep for (_, s, _), rep in zip(heads, repeats.tolist())]
     # per candidate: the head scores it has (a lower bound) and the rest bounds of the heads it is in
-    candidates, lower = merge_postings([d for d, _, _ in heads], weights)
-    _, covered = merge_postings([d for d, _, _ in heads], [np.full(d.size, r) for (d, _, _), r in zip(heads, rest)])
+    head_rests = [np.full(d.size, r) for (d, _, _), r in zip(heads, rest)]
+    candidates, lower, covered = merge_postings([d for d, _, _ in heads], weights, head_rests)
     upper = lower + rest.sum() - covered
     theta = _threshold(matrix, terms, k, candidates, lower, upper)
     if theta <= 0 or rest.sum() * (1 + _MARGIN) >= theta * (1 - _MARGIN):
