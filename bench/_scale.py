@@ -114,11 +114,7 @@ def query_child(index: str, queries_path: str) -> dict:
     import psutil
 
     ms = np.array(warm) * 1000
-    counts = getattr(ix.engine, "tier_counts", None)  # bm25s: queries the impact tiers' heads decided alone
-    answered = counts.heads + counts.fallback if counts else 0  # 0: the dense row answered (below PRUNE_MIN_DOCS)
-    heads = {"heads_share": round(counts.heads / answered, 3)} if answered else {}
     return {
-        **heads,
         "load_s": round(load_s, 2),
         "query_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
         "queries": len(queries),

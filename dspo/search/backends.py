@@ -3,8 +3,8 @@ rank-bm25 (the pure-Python reference). See bm25.py's docstring for the BM25 vari
 
 `_Bm25sEngine.top_k` scores a whole [N] row per query (`score_rows` + `_top_k`) on small corpora, and from
 `PRUNE_MIN_DOCS` passages up, where the row itself is the cost (measured in bench/retrieval.py --scale), answers
-from the long lists' best-scored heads (dspo/search/tiers.py) or, when those do not decide, by MaxScore pruning
-(dspo/search/prune.py); both give the row's results bit-identically.
+by compiled MaxScore pruning (dspo/search/prune.py, dspo/search/maxscore.py), which gives the row's results
+bit-identically.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dspo.search.prune import TERM_MAX, CscMatrix
-from dspo.search.tiers import TIERS_DIR, ImpactTiers, TierCounts, build_tiers, tiered_top_k
+from dspo.search.prune import TERM_MAX, CscMatrix, pruned_top_k
 
-# measured on one core (bench/_scale.py queries, warm): at 1M passages the dense row answers 248-289 queries/s and
-# the impact tiers with MaxScore 766-802; at 5M, 40-41 against 287-310. Below this the row is cheap.
+# measured on one core (bench/_scale.py queries, warm): at 1M passages the dense row answered 248-289 queries/s
+# (compiled MaxScore: 1,978); at 5M, 40-41. Below this the row is cheap and small indexes never compile the walk.
 PRUNE_MIN_DOCS = 500_000
 
 
@@ -70,15 +69,11 @@ def import_bm25s():
 class _Bm25sEngine:
     """bm25s index: build with bm25s, score by reading its CSC matrix (data/indices/indptr) directly."""
 
-    def __init__(
-        self, model, term_max: np.ndarray | None = None, tiers: ImpactTiers | None = None
-    ) -> None:  # model: bm25s.BM25
+    def __init__(self, model, term_max: np.ndarray | None = None) -> None:  # model: bm25s.BM25
         self.model = model
         self.vocab: dict[str, int] = model.vocab_dict
         self.num_docs = int(model.scores["num_docs"])
         self._term_max = term_max
-        self._tiers = tiers
-        self.tier_counts = TierCounts()  # queries answered from the heads alone / by the MaxScore fallback
         self.prune_min_docs = PRUNE_MIN_DOCS
 
     @classmethod
@@ -120,13 +115,9 @@ class _Bm25sEngine:
             nonempty = np.flatnonzero(np.diff(indptr))
             if nonempty.size:
                 self._term_max[nonempty] = np.maximum.reduceat(data, indptr[nonempty])
-        return CscMatrix(scores["data"], scores["indices"], scores["indptr"], self._term_max, self.num_docs)
-
-    def tiers(self) -> ImpactTiers:
-        """The long lists' heads (stored by the builds, else computed once: an index saved before them)."""
-        if self._tiers is None:
-            self._tiers = build_tiers(self.matrix())
-        return self._tiers
+        # plain ndarray views of the memory maps: slicing an np.memmap costs ~2 us of Python per slice
+        arrays = (np.asarray(scores[name]) for name in ("data", "indices", "indptr"))
+        return CscMatrix(*arrays, self._term_max, self.num_docs)
 
     def top_k(self, token_lists: list[list[str]], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(document ids [k], scores [k]) per query, best first, ties to the lower document."""
@@ -135,21 +126,19 @@ class _Bm25sEngine:
                 top = _top_k(scores, k)
                 yield top, scores[top]
             return
-        matrix, tiers = self.matrix(), self.tiers()
+        matrix = self.matrix()
         for tokens in token_lists:
-            yield tiered_top_k(matrix, tiers, self._columns(tokens), k, self.tier_counts)
+            yield pruned_top_k(matrix, self._columns(tokens), k)
 
     def save(self, path: Path) -> None:
         self.model.save(str(path / "bm25s"))
         np.save(path / TERM_MAX, self.matrix().term_max)
-        self.tiers().save(path / TIERS_DIR)
 
     @classmethod
     def load(cls, path: Path, mmap: bool) -> _Bm25sEngine:
         bm25s = import_bm25s()
         term_max = np.load(path / TERM_MAX) if (path / TERM_MAX).is_file() else None
-        tiers = ImpactTiers.load(path / TIERS_DIR, mmap)
-        return cls(bm25s.BM25.load(str(path / "bm25s"), mmap=mmap), term_max, tiers)
+        return cls(bm25s.BM25.load(str(path / "bm25s"), mmap=mmap), term_max)
 
 
 class _RankBm25Engine:

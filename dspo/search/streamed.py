@@ -13,8 +13,7 @@ bm25s's own `BM25.index` holds every document's token ids plus three arrays of a
 The scores are bit-identical to bm25s's `method="lucene"` build (same float64 arithmetic in the same order, rounded
 to float32; idf through `math.log` as bm25s computes it): `tests/search/test_streamed.py` compares every column.
 The output directory is loadable by `bm25s.BM25.load` and by `dspo.search.bm25.BM25Index.load` (memory-mapped).
-Also written: `term_max.npy`, each term's largest score, which the pruned top-k search (dspo/search/prune.py) needs,
-and `impact_tiers/`, each long posting list's best-scored head (dspo/search/tiers.py).
+Also written: `term_max.npy`, each term's largest score, which the pruned top-k search (dspo/search/prune.py) needs.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ from tqdm.auto import tqdm
 
 from dspo.search.backends import import_bm25s
 from dspo.search.passages import PassageStore, PassageWriter
-from dspo.search.prune import TERM_MAX, CscMatrix
-from dspo.search.tiers import TIERS_DIR, build_tiers
+from dspo.search.prune import TERM_MAX
 from dspo.types import Passage
 
 BM25S_DIR = "bm25s"
@@ -234,30 +232,7 @@ def _merge(spiller: _Spiller, out: Path, k1: float, b: float, block_postings: in
     data_f.close()
     indices_f.close()
     np.save(out.parent / TERM_MAX, term_max)
-    _save_tiers(out, term_max, num_docs, show_progress)
     return int(indptr[-1])
-
-
-def _save_tiers(out: Path, term_max: np.ndarray, num_docs: int, show_progress: bool) -> None:
-    """The long lists' heads (dspo/search/tiers.py), read back from the matrices just written."""
-    arrays = {name: _FileSlices(out / file) for name, file in _NAMES.items() if name != "indptr"}
-    indptr = np.load(out / _NAMES["indptr"])
-    matrix = CscMatrix(term_max=term_max, num_docs=num_docs, indptr=indptr, **arrays)
-    build_tiers(matrix, show_progress=show_progress).save(out.parent / TIERS_DIR)
-
-
-class _FileSlices:
-    """Slices of a saved 1-D array read with plain file reads: memory-mapping the 13 GB matrices at 21M passages
-    would count every page read in the process's resident memory (20.3 GiB measured), though the kernel can drop
-    them; reads leave them in the page cache only."""
-
-    def __init__(self, path: Path) -> None:
-        mapped = np.load(path, mmap_mode="r")
-        self.path, self.dtype, self.offset = path, mapped.dtype, mapped.offset
-
-    def __getitem__(self, span: slice) -> np.ndarray:
-        count = span.stop - span.start
-        return np.fromfile(self.path, self.dtype, count, offset=self.offset + span.start * self.dtype.itemsize)
 
 
 def build_streamed(

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from dspo.resources import data_dir
-from dspo.search import backends
 from dspo.search.bm25 import BM25Index
 from dspo.search.corpus import load_corpus
 from dspo.search.prune import CscMatrix, exact_scores, pruned_top_k, rank
@@ -19,14 +18,11 @@ HOTPOTQA = data_dir() / "hotpotqa_dev500"
 
 
 def dense_and_pruned(index: BM25Index, queries: list[str], k: int) -> tuple[list, list]:
-    """The dense row's answers and MaxScore's alone (without the impact tiers in front of it)."""
+    """The dense row's answers and MaxScore's."""
     index.engine.prune_min_docs = 10**12
     dense = index.search(queries, k)
     index.engine.prune_min_docs = 0
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backends, "tiered_top_k", lambda matrix, tiers, terms, k, counts: pruned_top_k(matrix, terms, k))
-        pruned = index.search(queries, k)
-    return dense, pruned
+    return dense, index.search(queries, k)
 
 
 def test_pruned_equals_dense_on_hotpotqa_questions() -> None:
