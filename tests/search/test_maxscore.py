@@ -48,6 +48,13 @@ def test_ties_at_the_threshold_are_all_kept() -> None:
     assert docs.tolist() == list(range(10)) and theta == 1.0
 
 
+def test_documents_on_window_edges_are_scored_once_with_every_term() -> None:
+    edges = [0, 4095, 4096, 8191, 8192, 50_000]
+    lists = [{d: 1.0 for d in edges}, {d: 2.0 for d in edges[1::2]}]
+    docs, scores, _ = walk(lists, [1.0, 1.0], k=len(edges))
+    assert docs.tolist() == edges and scores.tolist() == [1.0, 3.0, 1.0, 3.0, 1.0, 3.0]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_advance_finds_the_first_document_at_or_after_the_target(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -61,10 +68,11 @@ def test_advance_finds_the_first_document_at_or_after_the_target(seed: int) -> N
 @pytest.mark.parametrize("seed", range(8))
 def test_candidates_hold_the_true_top_k_from_any_valid_floor(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    num_docs, num_terms = 400, int(rng.integers(1, 7))
+    # 400 documents: one window of the walk; 20,000: several, lists crossing their edges
+    num_docs, num_terms = [400, 20_000][seed % 2], int(rng.integers(1, 7))
     lists = []
     for _ in range(num_terms):
-        docs = rng.choice(num_docs, size=int(rng.integers(1, num_docs)), replace=False)
+        docs = rng.choice(num_docs, size=int(rng.integers(1, min(num_docs, 3_000))), replace=False)
         # few distinct scores: ties everywhere
         lists.append({int(d): float(rng.integers(1, 6)) / 4 for d in docs})
     weight = rng.integers(1, 3, size=num_terms).astype(float).tolist()
