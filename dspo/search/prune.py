@@ -4,10 +4,9 @@ The dense path (`_Bm25sEngine.score_rows`) sums a query's posting lists into an 
 84 MB row per query and tens of milliseconds. MaxScore (Turtle & Flood, 1995) skips most of it: with the terms
 sorted by their largest possible contribution (`term_max`, stored by the streamed build, times the term's
 repetitions in the query), the longest prefix whose contributions sum below the threshold theta (the k-th best
-score so far) is "non-essential":
-a document only those terms contain cannot reach the top k. Documents come from the essential lists; the others are
-looked up only while a document's partial score plus what they can add still reaches theta. The walk is compiled
-(dspo/search/maxscore.py) and returns candidates; they are scored here.
+score so far) is "non-essential": a document only those terms contain cannot reach the top k. Documents come from
+the essential lists; the others are looked up only while a document's partial score plus what they can add still
+reaches theta. The walk is compiled (dspo/search/maxscore.py) and returns candidates; they are scored here.
 
 Exactness: candidate scores are summed in float64 over the query's terms in query order, the order the dense
 path's `np.bincount` adds them, so scores are bit-identical, and ties go to the lower document index, as in
