@@ -105,15 +105,10 @@ def pruned_top_k(matrix: CscMatrix, terms: list[int], k: int) -> tuple[np.ndarra
     impact = matrix.term_max[unique].astype(np.float64) * repeats
     order = np.argsort(impact, kind="stable")
     unique, repeats, impact = unique[order], repeats[order], impact[order]
+    starts = matrix.indptr[unique].astype(np.int64, copy=False)
+    ends = matrix.indptr[unique + 1].astype(np.int64, copy=False)
+    # candidates come back ascending and unique, as exact_scores needs them
     candidates, _, _ = maxscore_candidates(
-        np.asarray(matrix.indices),
-        np.asarray(matrix.data),
-        np.asarray(matrix.indptr[unique], dtype=np.int64),
-        np.asarray(matrix.indptr[unique + 1], dtype=np.int64),
-        repeats.astype(np.float64),
-        impact,
-        k,
-        0.0,
+        matrix.indices, matrix.data, starts, ends, repeats.astype(np.float64), impact, k, 0.0
     )
-    candidates = np.sort(candidates)
     return rank(candidates, exact_scores(matrix, candidates, terms), k, matrix.num_docs)
