@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspo.search.prune import TERM_MAX, CscMatrix, pruned_top_k
+from dspo.search.prune import LOOKUP_FILTER, TERM_MAX, CscMatrix, pruned_top_k
 
 # measured on one core (bench/_scale.py queries, warm): at 1M passages the dense row answered 248-289 queries/s
 # (compiled MaxScore: 1,978); at 5M, 40-41. Below this the row is cheap and small indexes never compile the walk.
@@ -69,11 +69,13 @@ def import_bm25s():
 class _Bm25sEngine:
     """bm25s index: build with bm25s, score by reading its CSC matrix (data/indices/indptr) directly."""
 
-    def __init__(self, model, term_max: np.ndarray | None = None) -> None:  # model: bm25s.BM25
-        self.model = model
+    def __init__(self, model, term_max: np.ndarray | None = None, filter_dir: Path | None = None) -> None:
+        self.model = model  # bm25s.BM25
         self.vocab: dict[str, int] = model.vocab_dict
         self.num_docs = int(model.scores["num_docs"])
         self._term_max = term_max
+        self._filter_dir = filter_dir  # where a saved index keeps its lookup filters (absent in older builds)
+        self._lookup = None
         self.prune_min_docs = PRUNE_MIN_DOCS
 
     @classmethod
@@ -117,7 +119,17 @@ class _Bm25sEngine:
                 self._term_max[nonempty] = np.maximum.reduceat(data, indptr[nonempty])
         # plain ndarray views of the memory maps: slicing an np.memmap costs ~2 us of Python per slice
         arrays = (np.asarray(scores[name]) for name in ("data", "indices", "indptr"))
-        return CscMatrix(*arrays, self._term_max, self.num_docs)
+        return CscMatrix(*arrays, self._term_max, self.num_docs, self._lookup)
+
+    def pruning_matrix(self) -> CscMatrix:
+        """The matrix with its lookup filters: the saved ones, else built in memory once (seconds at 21M)."""
+        if self._lookup is None:
+            from dspo.search import lookup_filter  # compiles with numba: only indexes that prune import it
+
+            scores = self.model.scores
+            indices, indptr = np.asarray(scores["indices"]), np.asarray(scores["indptr"])
+            self._lookup = lookup_filter.load_or_build(self._filter_dir, indices, indptr, self.num_docs)
+        return self.matrix()
 
     def top_k(self, token_lists: list[list[str]], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(document ids [k], scores [k]) per query, best first, ties to the lower document."""
@@ -126,19 +138,24 @@ class _Bm25sEngine:
                 top = _top_k(scores, k)
                 yield top, scores[top]
             return
-        matrix = self.matrix()
+        matrix = self.pruning_matrix()
         for tokens in token_lists:
             yield pruned_top_k(matrix, self._columns(tokens), k)
 
     def save(self, path: Path) -> None:
         self.model.save(str(path / "bm25s"))
-        np.save(path / TERM_MAX, self.matrix().term_max)
+        matrix = self.matrix()
+        np.save(path / TERM_MAX, matrix.term_max)
+        if self.num_docs >= PRUNE_MIN_DOCS:  # an index that will prune: its filters are written once, here
+            from dspo.search import lookup_filter
+
+            lookup_filter.build(matrix.indices, matrix.indptr, self.num_docs, path / LOOKUP_FILTER)
 
     @classmethod
     def load(cls, path: Path, mmap: bool) -> _Bm25sEngine:
         bm25s = import_bm25s()
         term_max = np.load(path / TERM_MAX) if (path / TERM_MAX).is_file() else None
-        return cls(bm25s.BM25.load(str(path / "bm25s"), mmap=mmap), term_max)
+        return cls(bm25s.BM25.load(str(path / "bm25s"), mmap=mmap), term_max, path / LOOKUP_FILTER)
 
 
 class _RankBm25Engine:

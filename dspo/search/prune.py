@@ -17,10 +17,16 @@ above zero, the rest are the first zero-score documents in corpus order, as ther
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:  # the filter module compiles with numba: imported only where an index is large enough to prune
+    from dspo.search.lookup_filter import LookupFilter
+
+_NO_WORDS = np.zeros(0, dtype=np.uint64)
 TERM_MAX = "term_max.npy"  # beside the bm25s matrices: each term's highest score, the bound MaxScore prunes by
+LOOKUP_FILTER = "lookup_filter"  # beside them too: dspo/search/lookup_filter.py, written for indexes that prune
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class CscMatrix:
     indptr: np.ndarray  # [V + 1] int64
     term_max: np.ndarray  # [V] float32: the largest score in each column
     num_docs: int
+    lookup: LookupFilter | None = None  # which blocks of documents the long columns touch (lookup_filter.py)
 
     def postings(self, term: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = int(self.indptr[term]), int(self.indptr[term + 1])
@@ -107,8 +114,12 @@ def pruned_top_k(matrix: CscMatrix, terms: list[int], k: int) -> tuple[np.ndarra
     unique, repeats, impact = unique[order], repeats[order], impact[order]
     starts = matrix.indptr[unique].astype(np.int64, copy=False)
     ends = matrix.indptr[unique + 1].astype(np.int64, copy=False)
+    if matrix.lookup is None:
+        at, shift, words = np.full(unique.size, -1, dtype=np.int64), np.zeros(unique.size, np.int64), _NO_WORDS
+    else:
+        at, shift, words = matrix.lookup.offset[unique], matrix.lookup.shift[unique], matrix.lookup.words
     # candidates come back ascending and unique, as exact_scores needs them
     candidates, _, _ = maxscore_candidates(
-        matrix.indices, matrix.data, starts, ends, repeats.astype(np.float64), impact, k, 0.0
+        matrix.indices, matrix.data, starts, ends, repeats.astype(np.float64), impact, k, 0.0, at, shift, words
     )
     return rank(candidates, exact_scores(matrix, candidates, terms), k, matrix.num_docs)

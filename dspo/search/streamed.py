@@ -13,7 +13,8 @@ bm25s's own `BM25.index` holds every document's token ids plus three arrays of a
 The scores are bit-identical to bm25s's `method="lucene"` build (same float64 arithmetic in the same order, rounded
 to float32; idf through `math.log` as bm25s computes it): `tests/search/test_streamed.py` compares every column.
 The output directory is loadable by `bm25s.BM25.load` and by `dspo.search.bm25.BM25Index.load` (memory-mapped).
-Also written: `term_max.npy`, each term's largest score, which the pruned top-k search (dspo/search/prune.py) needs.
+Also written: `term_max.npy`, each term's largest score, which the pruned top-k search (dspo/search/prune.py) needs,
+and from PRUNE_MIN_DOCS passages up its lookup filters (`lookup_filter/`, dspo/search/lookup_filter.py).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from typing import BinaryIO
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspo.search.backends import import_bm25s
+from dspo.search.backends import PRUNE_MIN_DOCS, import_bm25s
 from dspo.search.passages import PassageStore, PassageWriter
-from dspo.search.prune import TERM_MAX
+from dspo.search.prune import LOOKUP_FILTER, TERM_MAX
 from dspo.types import Passage
 
 BM25S_DIR = "bm25s"
@@ -271,11 +272,20 @@ def build_streamed(
         out = directory / BM25S_DIR
         out.mkdir()
         postings = _merge(spiller, out, k1, b, block_postings, show_progress)
+        if len(writer) >= PRUNE_MIN_DOCS:  # an index that will prune: see dspo/search/lookup_filter.py
+            _write_lookup_filter(out, len(writer))
         _write_bm25s_meta(out, dict(spiller.vocab), k1, b, len(writer))
         return StreamedBuild(len(writer), len(spiller.vocab), postings, sha256)
     finally:
         tokenizers.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_lookup_filter(out: Path, num_docs: int) -> None:
+    from dspo.search import lookup_filter  # compiles with numba
+
+    indices = np.asarray(np.load(out / _NAMES["indices"], mmap_mode="r"))
+    lookup_filter.build(indices, np.load(out / _NAMES["indptr"]), num_docs, out.parent / LOOKUP_FILTER)
 
 
 def default_workers() -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspo.search.maxscore import _advance, maxscore_candidates
+from dspo.search import lookup_filter
+from dspo.search.maxscore import SEED_DOCS, _advance, _seed_threshold, maxscore_candidates
 
 
 def lists_to_arrays(lists: list[dict[int, float]]) -> tuple[np.ndarray, ...]:
@@ -18,12 +19,21 @@ def lists_to_arrays(lists: list[dict[int, float]]) -> tuple[np.ndarray, ...]:
     return indices, data, ends - lengths, ends
 
 
-def walk(lists: list[dict[int, float]], weight: list[float], k: int, floor: float = 0.0) -> tuple:
+def walk(
+    lists: list[dict[int, float]], weight: list[float], k: int, floor: float = 0.0, num_docs: int | None = None
+) -> tuple:
+    """The walk over `lists`; with `num_docs`, the long lists get lookup filters (as an index of that size would)."""
     indices, data, starts, ends = lists_to_arrays(lists)
     weights = np.asarray(weight, dtype=np.float64)
     impact = np.array([max(p.values()) for p in lists]) * weights
     order = np.argsort(impact, kind="stable")
-    return maxscore_candidates(indices, data, starts[order], ends[order], weights[order], impact[order], k, floor)
+    at, shift, words = np.full(len(lists), -1, dtype=np.int64), np.zeros(len(lists), np.int64), np.zeros(0, np.uint64)
+    if num_docs is not None:
+        lookup = lookup_filter.build(indices, np.concatenate([[0], ends]), num_docs)
+        at, shift, words = lookup.offset, lookup.shift, lookup.words
+        assert (at >= 0).any()  # the test exercises the filter
+    args = (starts[order], ends[order], weights[order], impact[order], k, floor, at[order], shift[order], words)
+    return maxscore_candidates(indices, data, *args)
 
 
 def test_hand_computed_walk_skips_documents_only_the_small_terms_hold() -> None:
@@ -84,7 +94,29 @@ def test_candidates_hold_the_true_top_k_from_any_valid_floor(seed: int) -> None:
         kth = np.sort(dense)[::-1][k - 1]
         must = set(np.flatnonzero(dense >= kth).tolist()) - set(np.flatnonzero(dense == 0).tolist())
         for floor in (0.0, kth * float(rng.uniform(0, 1)), kth):
-            docs, scores, theta = walk(lists, weight, k, floor)
-            assert must <= set(docs.tolist()), (k, floor)
-            assert np.all(np.diff(docs) > 0) and np.allclose(scores, dense[docs], rtol=1e-12)
-            assert theta == pytest.approx(kth)
+            for filtered in (None, num_docs):
+                docs, scores, theta = walk(lists, weight, k, floor, num_docs=filtered)
+                assert must <= set(docs.tolist()), (k, floor, filtered)
+                assert np.all(np.diff(docs) > 0) and np.allclose(scores, dense[docs], rtol=1e-12)
+                assert theta == pytest.approx(kth)
+
+
+def test_seed_threshold_is_the_kth_best_of_the_top_lists_first_documents() -> None:
+    # top list c (impact 4): docs 2, 3, 9; a: 0, 1, 2; b: 1, 3. Scores of c's documents: 2 -> 5, 3 -> 6, 9 -> 4
+    lists = [{0: 1.0, 1: 1.0, 2: 1.0}, {1: 2.0, 3: 2.0}, {2: 4.0, 3: 4.0, 9: 4.0}]
+    indices, data, starts, ends = lists_to_arrays(lists)
+    weight, prefix = np.ones(3), np.cumsum([1.0, 2.0, 4.0])
+    none = (np.full(3, -1, dtype=np.int64), np.zeros(3, np.int64), np.zeros(0, np.uint64))
+    seed = [_seed_threshold(indices, data, starts, ends, weight, prefix, k, *none) for k in (1, 2, 3, 4)]
+    assert seed == [6.0, 5.0, 4.0, 0.0]  # k = 4: fewer than k documents, no threshold
+
+
+def test_seed_reads_only_the_first_seed_docs_of_the_top_list() -> None:
+    # the best document sits past the first SEED_DOCS: the seed does not see it, the walk does
+    top = {d: 1.0 for d in range(SEED_DOCS)} | {SEED_DOCS + 5: 9.0}
+    lists = [{SEED_DOCS + 5: 0.5}, top]
+    indices, data, starts, ends = lists_to_arrays(lists)
+    none = (np.full(2, -1, dtype=np.int64), np.zeros(2, np.int64), np.zeros(0, np.uint64))
+    assert _seed_threshold(indices, data, starts, ends, np.ones(2), np.cumsum([0.5, 9.0]), 1, *none) == 1.0
+    docs, scores, theta = walk(lists, [1.0, 1.0], k=1)
+    assert docs.tolist() == [SEED_DOCS + 5] and theta == 9.5
