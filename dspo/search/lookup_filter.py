@@ -39,11 +39,10 @@ class LookupFilter:
 def layout(indptr: np.ndarray, num_docs: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(offset [V], shift [V], total words) for a CSC matrix's lists (`indptr` [V + 1])."""
     df = np.diff(np.asarray(indptr, dtype=np.int64))
-    filtered = df * MIN_DF_DIVISOR >= max(num_docs, 1)
-    filtered &= df > 0
+    filtered = df * MIN_DF_DIVISOR >= max(num_docs, 1)  # so df >= 1 where filtered
     shift = np.zeros(df.size, dtype=np.int64)
-    ratio = num_docs / (BITS_PER_POSTING * np.maximum(df[filtered], 1))
-    shift[filtered] = np.maximum(0, np.floor(np.log2(np.maximum(ratio, 1.0)))).astype(np.int64)
+    ratio = num_docs / (BITS_PER_POSTING * df[filtered])  # documents per bit at BITS_PER_POSTING; at least 1
+    shift[filtered] = np.floor(np.log2(np.maximum(ratio, 1.0))).astype(np.int64)
     blocks = ((max(num_docs, 1) - 1) >> shift) + 1
     sizes = np.where(filtered, (blocks + 63) // 64, 0)
     offset = np.where(filtered, np.cumsum(sizes) - sizes, -1).astype(np.int64)

@@ -112,14 +112,21 @@ def _heap_replace_min(heap: np.ndarray, size: int, value: float) -> None:
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _filtered_out(words: np.ndarray, at: int, shift: int, doc: int) -> bool:
+    """The list's lookup filter (starting at words[at]; -1: none) says `doc` is not in it."""
+    if at < 0:
+        return False
+    block = doc >> shift
+    return not (words[at + (block >> 6)] >> np.uint64(block & 63)) & np.uint64(1)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _lookup(
     indices: np.ndarray, data: np.ndarray, pos: int, end: int, doc: int, at: int, shift: int, words: np.ndarray
 ) -> tuple[int, float]:
     """(the list's new cursor, `doc`'s score in the list or 0.0): the filter first, then the galloping search."""
-    if at >= 0:
-        block = doc >> shift
-        if not (words[at + (block >> 6)] >> np.uint64(block & 63)) & np.uint64(1):
-            return pos, 0.0  # the cursor stays: later documents are larger, the search from it still holds
+    if _filtered_out(words, at, shift, doc):
+        return pos, 0.0  # the cursor stays: later documents are larger, the search from it still holds
     p = _advance(indices, pos, end, doc)
     if p < end and indices[p] == doc:
         return p, np.float64(data[p])
@@ -247,12 +254,9 @@ def maxscore_candidates(
                     t = window_essential - 1
                     while t >= 0 and score + prefix[t] >= cut:
                         # _lookup written out: called here, it measured 4.7 rather than 3.6 ms a query at 21M
-                        at = filter_at[t]
-                        if at >= 0:
-                            block = doc >> filter_shift[t]
-                            if not (filter_words[at + (block >> 6)] >> np.uint64(block & 63)) & one:
-                                t -= 1
-                                continue
+                        if _filtered_out(filter_words, filter_at[t], filter_shift[t], doc):
+                            t -= 1
+                            continue
                         p = _advance(indices, pos[t], ends[t], doc)
                         pos[t] = p
                         if p < ends[t] and indices[p] == doc:

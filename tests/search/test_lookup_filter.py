@@ -41,7 +41,7 @@ def test_every_posting_has_its_bit_and_most_other_blocks_do_not(seed: int) -> No
         assert marked[absent].mean() < 0.25  # ~1 bit in 8 set: most misses are answered by the filter
 
 
-def hotpot_like(n: int) -> list[Passage]:
+def random_passages(n: int) -> list[Passage]:
     rng = np.random.default_rng(0)
     words = [f"w{i}" for i in range(40)]
     return [Passage(str(i), "", " ".join(rng.choice(words, size=8))) for i in range(n)]
@@ -49,7 +49,7 @@ def hotpot_like(n: int) -> list[Passage]:
 
 def test_a_pruning_index_writes_its_filters_and_loads_them_memory_mapped(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(streamed, "PRUNE_MIN_DOCS", 100)
-    passages = hotpot_like(300)
+    passages = random_passages(300)
     (tmp_path / "ix").mkdir()
     streamed.build_streamed(passages, tmp_path / "ix", str.split, 1.2, 0.75, show_progress=False, workers=0)
     assert (tmp_path / "ix" / LOOKUP_FILTER / "words.npy").is_file()
@@ -62,7 +62,7 @@ def test_a_pruning_index_writes_its_filters_and_loads_them_memory_mapped(tmp_pat
 
 
 def test_missing_or_stale_filters_are_built_in_memory(tmp_path, caplog) -> None:
-    index = BM25Index.build(hotpot_like(300), show_progress=False)
+    index = BM25Index.build(random_passages(300), show_progress=False)
     index.save(tmp_path / "ix")  # 300 < PRUNE_MIN_DOCS: no filters written
     assert not (tmp_path / "ix" / LOOKUP_FILTER).exists()
     loaded = BM25Index.load(tmp_path / "ix", mmap=True)
