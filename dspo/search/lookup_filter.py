@@ -89,12 +89,17 @@ def load(directory: Path) -> LookupFilter:
 
 
 def load_or_build(directory: Path | None, indices: np.ndarray, indptr: np.ndarray, num_docs: int) -> LookupFilter:
-    """The saved filters if `directory` holds them and they fit this matrix, else filters built in memory."""
+    """The saved filters if `directory` holds them and their layout is this matrix's, else filters built in memory.
+
+    The layout is checked in full (every offset and shift, and the words' count): the walk reads the words without
+    bounds checks, so filters from another index or another build must never reach it."""
     if directory is not None and all((directory / f"{name}.npy").is_file() for name in _NAMES):
         saved = load(directory)
-        if saved.offset.size == len(indptr) - 1:
+        offset, shift, total = layout(indptr, num_docs)
+        fits = saved.words.size == total and np.array_equal(saved.offset, offset) and np.array_equal(saved.shift, shift)
+        if fits:
             return saved
-        log.warning("%s does not match this index's vocabulary: rebuilding the lookup filters in memory", directory)
+        log.warning("%s does not match this index's layout: rebuilding the lookup filters in memory", directory)
     elif directory is not None:
         log.info("no lookup filters in %s (an index from an older build): building them in memory", directory.parent)
     return build(indices, indptr, num_docs)

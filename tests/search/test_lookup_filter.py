@@ -77,3 +77,22 @@ def test_missing_or_stale_filters_are_built_in_memory(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="dspo.search.lookup_filter"):
         assert again.search(["w1 w2 w3"], 3) == hits
     assert "does not match" in caplog.text
+
+
+def test_saved_filters_whose_layout_differs_are_never_used(tmp_path, caplog) -> None:
+    # the walk reads the words without bounds checks: a tampered offset or a truncated words file must be rebuilt
+    indices = np.arange(0, 1000, 3, dtype=np.int32)
+    indptr = np.array([0, indices.size], dtype=np.int64)
+    good = lookup_filter.build(indices, indptr, 1000)
+    folder = tmp_path / "filters"
+    for tamper in ("offset", "words"):
+        lookup_filter.build(indices, indptr, 1000, folder)
+        if tamper == "offset":
+            np.save(folder / "offset.npy", np.array([10**9], dtype=np.int64))
+        else:
+            np.save(folder / "words.npy", np.zeros(1, dtype=np.uint64))
+        with caplog.at_level(logging.WARNING, logger="dspo.search.lookup_filter"):
+            caplog.clear()
+            used = lookup_filter.load_or_build(folder, indices, indptr, 1000)
+        assert "does not match" in caplog.text, tamper
+        assert np.array_equal(used.words, good.words) and np.array_equal(used.offset, good.offset)
