@@ -67,9 +67,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from dspo.trust import safe_byte_items
+        from dspo.trust import folder_checkpoint_as_data
 
-        with safe_byte_items():  # a folder's non-tensor items are pickles: tensors and plain values only
+        # a folder's `.metadata` and non-tensor items are pickles: torch's reader reads them as data only, here and
+        # in `_load_checkpoint`'s own read of the metadata (resume, and the guard's rollback, come through here)
+        with folder_checkpoint_as_data("ckpt_path"):
             return self._load_checkpoint(checkpoint_path, weights_only)
 
     def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -124,10 +126,8 @@ def _remove(path: Path) -> None:
 
 
 def _replace_folder(new: Path, target: Path) -> None:
-    """Put folder `new` at `target` (a file or folder there is replaced)."""
-    old = target.with_name(f".{target.name}.old")
-    _remove(old)
-    if target.exists():
-        target.rename(old)
-    new.rename(target)
-    _remove(old)
+    """Put folder `new` at `target` (a file or folder there is replaced), with no instant at which `target` is missing
+    (`dspo.cachedir.swap_into_place`): a reader of `last.ckpt` never finds it gone."""
+    from dspo.cachedir import swap_into_place
+
+    swap_into_place(new, target)

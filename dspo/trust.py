@@ -11,25 +11,35 @@ folder or a checkpoint brings along, since both are shared and downloaded:
   `env.agent` (the function of an agent written against the OpenAI API) is checked as a target;
 - a record never turns `trust_remote_code` on (a model's own Python code would run): the setting is dropped with a
   warning; the command line may set it;
-- a distributed checkpoint folder's `.metadata` is a pickle, which torch's reader unpickles: only folders owned by
-  the current user are read, unless `allow_foreign_checkpoint=true`, and even then only with torch's own metadata
-  types (`check_metadata`). Its non-tensor items are pickles too, which torch's load planner reads with
-  `weights_only=False`: dspo reads them inside `safe_byte_items`, where they load as `weights_only=True` first.
-  Single-file checkpoints load with `weights_only=True` everywhere and need no such rule.
+- a distributed checkpoint folder's `.metadata` is a pickle, which torch's reader unpickles with plain
+  `pickle.load`, and its non-tensor items are pickles, which torch's load planner reads with `weights_only=False`.
+  Only folders owned by the current user are read, unless `allow_foreign_checkpoint=true`; either way a folder is
+  read as data only. `.metadata` is read by torch's own weights-only unpickler, allowed exactly torch's checkpoint
+  metadata classes (`load_metadata`): no function, no dotted name, no import. The gate (`check_checkpoint_owner`
+  -> `check_metadata`) reads it so before anything is loaded, and torch's reader reads it so again inside
+  `folder_checkpoint_as_data` (which every folder read of dspo runs in: FSDP2 resume and rollback, dspo-eval's
+  reader), where each non-tensor item loads once with `weights_only=True`. Single-file checkpoints load with
+  `weights_only=True` everywhere and need no such rule.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
 import importlib
 import inspect
+import io
+import itertools
 import os
 import pickle
+import pickletools
 import re
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # The targets of dspo's conf/ outside the dspo package (tests/test_trust.py keeps this equal to what conf/ names).
 THIRD_PARTY_TARGETS = frozenset(
@@ -200,15 +210,16 @@ def _owner(path: Path) -> int:
 
 def check_checkpoint_owner(path: str | os.PathLike, key: str, allow_foreign: bool = False) -> None:
     """A distributed checkpoint folder (torch.distributed.checkpoint: a pickled `.metadata`) is read only when it and
-    its `.metadata` belong to the current user, or with `allow_foreign_checkpoint=true`; single files pass (they load
-    with weights_only=True)."""
+    its `.metadata` belong to the current user, or with `allow_foreign_checkpoint=true`; either way its `.metadata`
+    must be torch's checkpoint metadata and nothing else (`check_metadata`). Single files pass (they load with
+    weights_only=True)."""
     folder = Path(path).expanduser()
     metadata = folder / ".metadata"
-    if allow_foreign or not folder.is_dir() or not metadata.exists():
+    if not folder.is_dir() or not metadata.exists():
         return
     uid = os.getuid()
     foreign = [str(p) for p in (folder, metadata) if _owner(p) != uid]
-    if foreign:
+    if foreign and not allow_foreign:
         raise ForeignCheckpointError(
             f"{key}={path}: {foreign[-1]} belongs to another user (uid {_owner(Path(foreign[-1]))}, you are {uid}); "
             "a checkpoint folder's .metadata is a pickle, and unpickling it can run any code. If you trust where it "
@@ -217,64 +228,278 @@ def check_checkpoint_owner(path: str | os.PathLike, key: str, allow_foreign: boo
     check_metadata(metadata, key)
 
 
-# What a distributed checkpoint's `.metadata` pickles: torch's checkpoint metadata classes, dtypes, sizes, a path.
-_METADATA_MODULES = ("torch.distributed.checkpoint.",)
-_METADATA_GLOBALS = frozenset(
-    {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
-    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
-)
+# ---------------------------------------------------------------- a checkpoint folder's `.metadata`: data, never code
+# torch's weights-only unpickler calls only what its allowlist holds, looked up by exact name (never a dotted path,
+# never an import). Beyond what it always allows (torch.Size, dtypes, torch.serialization._get_layout), a DCP save's
+# `.metadata` names only these classes: recorded from real saves (dcp.save of tensors of six dtypes, AdamW state,
+# nested non-tensor items; Lightning's FSDP2 sharded save on 2 ranks). No function is allowed.
+def _metadata_classes() -> tuple[type, ...]:
+    """Metadata first. `_StorageInfo` and `_MEM_FORMAT_ENCODING` are private to torch, and what its save pickles."""
+    from pathlib import PosixPath, PurePosixPath
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        _MEM_FORMAT_ENCODING,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    return (
+        Metadata,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        MetadataIndex,
+        StorageMeta,
+        _StorageInfo,
+        _MEM_FORMAT_ENCODING,  # TensorProperties pickles its memory format as this enum
+        PosixPath,  # StorageMeta.checkpoint_id, as Lightning passes it
+        PurePosixPath,
+    )
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
+def _vetted_unpickler() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """torch's weights-only `Unpickler` class and its allowlist context, `torch.serialization.safe_globals`.
+    `torch._weights_only_unpickler` is private, but torch has no public way to read a raw pickle with an allowlist:
+    `torch.load(weights_only=True)` reads only torch.save's archives. Missing from a future torch, this raises
+    ImportError or AttributeError, which `load_metadata` turns into a refusal: never a fallback to plain pickle."""
+    from torch._weights_only_unpickler import Unpickler
+    from torch.serialization import safe_globals
+
+    return Unpickler, safe_globals
+
+
+def _binunicode(text: str) -> bytes:
+    data = text.encode("utf-8", "surrogatepass")
+    return pickle.BINUNICODE + struct.pack("<I", len(data)) + data
+
+
+def _memo_op(short: bytes, long: bytes, slot: int) -> bytes:
+    return short + bytes([slot]) if slot < 256 else long + struct.pack("<I", slot)
+
+
+class _Protocol2Rewrite:
+    """A pickle of any protocol in the opcodes of protocol 2, the only ones torch's weights-only unpickler reads
+    (torch.save writes protocol 2; DCP writes `.metadata` with Python's default, 4). The rewrite looks nothing up and
+    calls nothing (`pickletools.genops` only parses): frames are dropped; strings written as BINUNICODE; memo slots
+    renumbered (a memoized string is written again where it is fetched); STACK_GLOBAL of two literal strings written
+    as GLOBAL, which torch resolves by exact name only. Every other opcode is copied as it is, so that torch's
+    unpickler refuses those it does not know (INST, OBJ, NEWOBJ_EX, EXT1/2/4, ...)."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes | str] = []  # a str: a string pushed and not written yet (a STACK_GLOBAL may take it)
+        self.memo: dict[int, str | int] = {}  # the pickle's memo slot -> its string, or its slot in the rewrite
+        self.slots = 0  # slots of the rewrite's memo
+
+    def rewrite(self, raw: bytes) -> bytes:
+        ops = itertools.chain(pickletools.genops(raw), [(None, None, len(raw))])  # ValueError: a malformed pickle
+        for (op, arg, start), (_, _, end) in itertools.pairwise(ops):
+            self.add(op.name, arg, raw, start, end)
+        return b"".join(_binunicode(item) if isinstance(item, str) else item for item in self.out)
+
+    def add(self, name: str, arg: Any, raw: bytes, start: int, end: int) -> None:
+        if name == "PROTO":
+            self.out.append(pickle.PROTO + b"\x02")
+        elif name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"):
+            self.out.append(arg)
+        elif name in ("MEMOIZE", "BINPUT", "LONG_BINPUT"):
+            self.put(len(self.memo) if name == "MEMOIZE" else arg)  # MEMOIZE: the next free slot, as pickle counts
+        elif name in ("BINGET", "LONG_BINGET"):
+            self.get(arg)
+        elif name == "STACK_GLOBAL":
+            self.stack_global()
+        elif name == "STOP":
+            self.out.append(pickle.STOP)  # and nothing after it
+        elif name != "FRAME":
+            self.out.append(raw[start:end])
+
+    def put(self, slot: int) -> None:
+        if self.out and isinstance(self.out[-1], str):
+            self.memo[slot] = self.out[-1]
+            return
+        self.memo[slot], self.slots = self.slots, self.slots + 1
+        self.out.append(_memo_op(pickle.BINPUT, pickle.LONG_BINPUT, self.memo[slot]))
+
+    def get(self, slot: int) -> None:
+        if slot not in self.memo:
+            raise pickle.UnpicklingError(f"memo slot {slot} is fetched before it is set")
+        found = self.memo[slot]
+        self.out.append(found if isinstance(found, str) else _memo_op(pickle.BINGET, pickle.LONG_BINGET, found))
+
+    def stack_global(self) -> None:
+        """GLOBAL: the module and name must be the two strings just pushed (as Python's pickler writes them), without
+        a line break (GLOBAL reads each up to one)."""
+        if len(self.out) < 2 or not isinstance(self.out[-1], str) or not isinstance(self.out[-2], str):
+            raise pickle.UnpicklingError("STACK_GLOBAL whose module and name are not two literal strings")
+        name, module = self.out.pop(), self.out.pop()
+        if "\n" in module or "\n" in name:
+            raise pickle.UnpicklingError(f"STACK_GLOBAL of a name with a line break: {module!r}, {name!r}")
+        self.out.append(pickle.GLOBAL + f"{module}\n{name}\n".encode())
+
+
+def _allowed_result_types(classes: Sequence[type]) -> frozenset[type]:
+    """The types a `Metadata` holds once built: the enum is gone (TensorProperties turns it into a memory format)."""
+    import torch
+
+    built = {cls for cls in classes if not issubclass(cls, enum.Enum)}
+    return frozenset({*built, *_leaf_types(), dict, list, tuple, torch.Size})
+
+
+def _check_result(metadata: Any, classes: Sequence[type]) -> None:
+    """What the unpickler built is a `Metadata` holding only torch's metadata classes, each with its own fields and
+    nothing else (an attribute such as `__reduce_ex__` would shadow the method a later pickling calls), sizes,
+    dtypes, layouts, paths and plain values."""
+    if type(metadata) is not classes[0]:
+        raise pickle.UnpicklingError(f"it holds a {_type_name(metadata)}, not torch's Metadata")
+    allowed, leaves = _allowed_result_types(classes), _leaf_types()
+    pending, seen = [metadata], set()
+    while pending:
+        value = pending.pop()
+        if type(value) in leaves or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if type(value) not in allowed:
+            raise pickle.UnpicklingError(f"it holds a {_type_name(value)}")
+        pending.extend(_parts(value))
+
+
+def _leaf_types() -> frozenset[type]:
+    """Types that hold nothing further to check."""
+    import torch
+
+    return frozenset({str, int, float, bool, type(None), torch.dtype, torch.layout, torch.memory_format})
+
+
+def _parts(value: Any) -> list[Any]:
+    """What `value` holds: a container's items, an object's attributes (a dataclass's must be its fields) and slots."""
+    if isinstance(value, dict):
+        return [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):  # torch.Size too
+        return list(value)
+    attributes = dict(getattr(value, "__dict__", {}))
+    if dataclasses.is_dataclass(value):
+        extra = set(attributes) - {field.name for field in dataclasses.fields(value)}
+        if extra:
+            raise pickle.UnpicklingError(f"its {_type_name(value)} has attributes that are not fields: {sorted(extra)}")
+    slots = [name for name in _slot_names(type(value)) if hasattr(value, name)]
+    return [*attributes.values(), *(getattr(value, name) for name in slots)]
+
+
+@functools.cache
+def _slot_names(kind: type) -> tuple[str, ...]:
+    """The slots of `kind` and its bases (a path keeps its parts in slots)."""
+    names = [cls.__dict__.get("__slots__", ()) for cls in kind.__mro__]
+    return tuple(name for slots in names for name in ((slots,) if isinstance(slots, str) else slots))
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def load_metadata(handle: BinaryIO, source: str) -> Any:
+    """A checkpoint folder's `.metadata` (open for reading), read by torch's weights-only unpickler with torch's
+    checkpoint metadata classes only: no function, no other class, no dotted name can be reached. Returns torch's
+    `Metadata`; anything else raises `ForeignCheckpointError` naming `source` (`ckpt_path=FOLDER`)."""
+    try:
+        unpickler, safe_globals = _vetted_unpickler()
+        classes = _metadata_classes()
+    except (ImportError, AttributeError) as error:
         import torch
 
-        allowed = (module, name) in _METADATA_GLOBALS or module.startswith(_METADATA_MODULES)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            allowed = True
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not a type of torch's checkpoint metadata")
-        return super().find_class(module, name)
-
-
-def check_metadata(path: Path, key: str) -> None:
-    """Unpickle a folder checkpoint's `.metadata` with torch's own types only, before torch's reader unpickles it
-    whole (a plain `pickle.load`): a planted pickle is refused whoever owns the folder (downloaded, untarred)."""
+        raise ForeignCheckpointError(
+            f"{source}: this torch ({torch.__version__}) lacks what dspo reads a checkpoint folder's .metadata with "
+            f"({type(error).__name__}: {error}); dspo never reads it with plain pickle, so nothing was loaded. Install "
+            "a torch version dspo supports (pyproject.toml) or use a single-file checkpoint"
+        ) from error
     try:
-        with open(path, "rb") as handle:
-            _MetadataUnpickler(handle).load()
+        # safe_globals adds these data classes to torch's process-wide allowlist for the block (and removes them)
+        with safe_globals(list(classes)):
+            metadata = unpickler(io.BytesIO(_Protocol2Rewrite().rewrite(handle.read()))).load()
+        _check_result(metadata, classes)
     except Exception as error:  # noqa: BLE001  anything but torch's metadata: refuse, naming why
         raise ForeignCheckpointError(
-            f"{key}={path.parent}: its .metadata is not a torch checkpoint's metadata ({error}); unpickling it could "
-            "run any code, so nothing was loaded. Use a checkpoint dspo wrote"
+            f"{source}: its .metadata is not a torch checkpoint's metadata ({type(error).__name__}: "
+            f"{str(error)[:300]}); unpickling it could run any code, so nothing was loaded. Use a checkpoint dspo "
+            "wrote"
         ) from error
+    return metadata
+
+
+def check_metadata(path: Path, key: str) -> Any:
+    """Read a folder checkpoint's `.metadata` as `load_metadata` does, whoever owns the folder (downloaded,
+    untarred); returns torch's `Metadata`, or raises `ForeignCheckpointError` naming `key` and the folder."""
+    with open(path, "rb") as handle:
+        return load_metadata(handle, f"{key}={path.parent}")
+
+
+def _read_metadata_as_data(key: str) -> Callable[..., Any]:
+    """`FileSystemReader.read_metadata` with `load_metadata` in place of its `pickle.load`; the rest as torch's."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN001  torch's signature (`rank=`)
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")  # torch >= 2.8 may read a rank's own `__N.metadata`
+        path = self.fs.concat_path(self.path, ".metadata" if rank is None else f"__{rank}.metadata")
+        with self.fs.create_stream(path, "rb") as handle:
+            metadata = load_metadata(handle, f"{key}={self.path}")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    return read_metadata
+
+
+def _load_bytes_as_data(key: str) -> Callable[..., None]:
+    """`DefaultLoadPlanner.load_bytes` unpickling the item with `weights_only=True` (torch's uses False), once,
+    and putting it where torch's own method puts it."""
+
+    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001  torch's signature
+        import torch
+        from torch.distributed.checkpoint._traverse import set_element  # private: what torch's load_bytes calls
+
+        fqn = read_item.dest_index.fqn
+        try:
+            item = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ForeignCheckpointError(
+                f"{key}: the checkpoint folder's item {fqn!r} is not plain data (UnpicklingError: {error}); "
+                "unpickling it could run any code, so it was not loaded. Use a checkpoint dspo wrote"
+            ) from error
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], item)
+        else:
+            self.state_dict[fqn] = item
+
+    return load_bytes
 
 
 @contextlib.contextmanager
-def safe_byte_items() -> Iterator[None]:
-    """While a folder checkpoint is read: its non-tensor items (torch.distributed.checkpoint "bytes": optimizer steps,
-    param groups, Lightning's loop state) are unpickled by `torch.load(weights_only=True)` first (tensors, containers
-    and plain values only); what passes is saved again and handed to torch's planner, so a planted pickle fails there
-    (`pickle.UnpicklingError`) instead of running. torch's `DefaultLoadPlanner.load_bytes` loads them with
-    `weights_only=False`, and Lightning builds that planner itself, hence a patch for the duration of the read."""
-    import io
-
-    import torch
+def folder_checkpoint_as_data(key: str = "ckpt_path") -> Iterator[None]:
+    """While a folder checkpoint (torch.distributed.checkpoint) is read, torch's reader reads it as data: its
+    `.metadata` with `load_metadata` (torch's `FileSystemReader.read_metadata` unpickles it with plain `pickle.load`,
+    so a check before the read would leave a window and any gap in the check would be fatal), its non-tensor items
+    (optimizer steps, param groups, Lightning's loop state) with `torch.load(weights_only=True)`: tensors, containers
+    and plain values only (torch's `DefaultLoadPlanner.load_bytes` uses `weights_only=False`). Lightning builds the
+    reader and the planner itself, hence patches of both classes for the duration of the read. A refusal raises
+    `ForeignCheckpointError` naming `key` (torch's distributed loader may wrap it in a CheckpointException)."""
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    original = DefaultLoadPlanner.load_bytes
-
-    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001  torch's signature
-        checked = torch.load(value, map_location="cpu", weights_only=True)
-        again = io.BytesIO()
-        torch.save(checked, again)
-        again.seek(0)
-        original(self, read_item, again)
-
-    DefaultLoadPlanner.load_bytes = load_bytes
+    saved = FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes
+    FileSystemReader.read_metadata = _read_metadata_as_data(key)
+    DefaultLoadPlanner.load_bytes = _load_bytes_as_data(key)
     try:
         yield
     finally:
-        DefaultLoadPlanner.load_bytes = original
+        FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = saved
+
+
+# The name of `folder_checkpoint_as_data` while it guarded the non-tensor items only; its callers may keep it.
+safe_byte_items = folder_checkpoint_as_data

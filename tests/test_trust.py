@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -117,9 +118,11 @@ def test_a_record_never_turns_trust_remote_code_on(record) -> None:
 
 
 def test_folder_checkpoints_of_another_user_need_an_explicit_opt_in(tmp_path, monkeypatch) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     folder = tmp_path / "last.ckpt"
-    folder.mkdir()
-    (folder / ".metadata").write_bytes(b"}.")  # an empty dict's pickle: no type outside torch's metadata
+    dcp.save({"w": torch.ones(2), "step": 3}, checkpoint_id=str(folder), no_dist=True)
     (tmp_path / "file.ckpt").write_bytes(b"weights")
     check_checkpoint_owner(folder, "ckpt_path")  # the user's own
     monkeypatch.setattr(dspo.trust, "_owner", lambda path: os.getuid() + 1)
@@ -127,6 +130,10 @@ def test_folder_checkpoints_of_another_user_need_an_explicit_opt_in(tmp_path, mo
         check_checkpoint_owner(folder, "ckpt_path")
     check_checkpoint_owner(folder, "ckpt_path", allow_foreign=True)
     check_checkpoint_owner(tmp_path / "file.ckpt", "ckpt_path")  # a file loads weights_only=True: no rule
+    # the opt-in is about the owner only: the metadata is still read as data
+    (folder / ".metadata").write_bytes(pickle.dumps(_Planted()))
+    with pytest.raises(ForeignCheckpointError, match=r"its .metadata is not a torch checkpoint's metadata"):
+        check_checkpoint_owner(folder, "ckpt_path", allow_foreign=True)
 
 
 def test_resuming_from_a_foreign_folder_checkpoint_is_refused(tmp_path, monkeypatch) -> None:
@@ -302,3 +309,109 @@ def test_a_planted_non_tensor_item_of_a_folder_checkpoint_runs_nothing(tmp_path)
     assert not marker.exists()
     dcp.load({"planted": None}, checkpoint_id=folder)  # torch's own planner, as before: the item ran
     assert marker.exists()
+
+
+# ---------------------------------------------------------------- issue 70 (1): what a real DCP save holds still loads
+def _real_state() -> dict:
+    """What a dspo checkpoint folder holds: tensors of several dtypes, an AdamW state, Lightning-like plain items."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    optimizer.step()
+    return {
+        "state_dict": {**model.state_dict(), "f32": torch.arange(6.0).view(2, 3), "i64": torch.arange(4)},
+        "optimizer": optimizer.state_dict(),
+        "flags": torch.tensor([True, False]),
+        "half": torch.ones(3, dtype=torch.float16),
+        "global_step": 7,
+        "loops": {"fit_loop": {"epoch": 1, "batches": [1, 2, 3], "name": "fit", "none": None, "nested": {"x": [{}]}}},
+        "lr": 2.5e-4,
+        "note": None,
+    }
+
+
+def _equal(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _empty_like(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: _empty_like(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_empty_like(v) for v in value]
+    return None  # a non-tensor item: torch's loader puts what the checkpoint holds
+
+
+def test_a_folder_torch_saved_passes_the_gate_and_loads_equal(tmp_path) -> None:
+    """Issue 70 (1): the gate reads `.metadata` with torch's weights-only unpickler and torch's metadata classes only;
+    a folder written by torch's own DCP save (bf16/fp32/fp16/int64/bool tensors, an AdamW state, ints, floats, lists,
+    dicts, strings, None) passes it, torch's reader inside `folder_checkpoint_as_data` reads the same metadata as its
+    plain `pickle.load`, and the whole state loads back equal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dspo.trust import check_metadata, folder_checkpoint_as_data
+
+    state = _real_state()
+    folder = tmp_path / "real.ckpt"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    check_checkpoint_owner(folder, "ckpt_path")
+    metadata = check_metadata(folder / ".metadata", "ckpt_path")
+    with open(folder / ".metadata", "rb") as handle:
+        assert metadata == pickle.load(handle)  # the user's own trusted folder: plain pickle as the reference
+    with folder_checkpoint_as_data():
+        read = FileSystemReader(str(folder)).read_metadata()
+        loaded = _empty_like(state)
+        dcp.load(loaded, checkpoint_id=str(folder), no_dist=True)
+    plain = FileSystemReader(str(folder)).read_metadata()
+    assert read.storage_meta.load_id and read.storage_meta.load_id != plain.storage_meta.load_id  # set per reader
+    read.storage_meta.load_id = plain.storage_meta.load_id
+    assert read == plain
+    assert _equal(state, loaded), loaded
+
+
+def test_the_context_manager_puts_torchs_readers_back_and_keeps_its_old_name(tmp_path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from dspo.trust import folder_checkpoint_as_data, safe_byte_items
+
+    before = FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Planted()))
+    with (
+        pytest.raises(ForeignCheckpointError, match=r"^guard=.*: its .metadata is not"),
+        folder_checkpoint_as_data("guard"),
+    ):
+        assert (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes) != before
+        FileSystemReader(str(tmp_path)).read_metadata()
+    assert (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes) == before
+    assert safe_byte_items is folder_checkpoint_as_data
+
+
+def test_a_torch_without_the_weights_only_unpickler_refuses_the_folder(tmp_path, monkeypatch) -> None:
+    """The private API dspo reads `.metadata` with, gone from a future torch: a clear refusal, never plain pickle."""
+    import torch.distributed.checkpoint as dcp
+
+    from dspo.trust import check_metadata
+
+    folder = tmp_path / "real.ckpt"
+    dcp.save({"w": _real_state()["half"]}, checkpoint_id=str(folder), no_dist=True)
+    monkeypatch.setitem(sys.modules, "torch._weights_only_unpickler", None)  # `import` of it raises ImportError
+    monkeypatch.setattr(pickle, "load", lambda *args, **kwargs: pytest.fail("read with plain pickle"))
+    monkeypatch.setattr(pickle, "Unpickler", lambda *args, **kwargs: pytest.fail("read with plain pickle"))
+    with pytest.raises(ForeignCheckpointError, match=r"ckpt_path=.*real.ckpt: this torch \(.*\) lacks what dspo reads"):
+        check_metadata(folder / ".metadata", "ckpt_path")

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from dspo.testing import examples
 from dspo.trust import UntrustedRecordError, check_targets
 
 SAFE = ("dspo.env.Environment", "dspo.env.SearchTool", "dspo.search.client.RemoteRetriever", "dspo.env.SubEMReward")
@@ -113,7 +114,7 @@ def _build_all(record: dict[str, Any]) -> tuple[list[str], list[str]]:
     return located, calls
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sections)
 def test_nothing_outside_the_allow_list_is_built(record) -> None:
     try:

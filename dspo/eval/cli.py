@@ -41,7 +41,8 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------------------------------------ checkpoints
 def read_checkpoint(ckpt_path: str, allow_foreign: bool = False) -> dict[str, Any]:
     """`torch.load(weights_only=True)`, memory-mapped: only the policy's tensors are read from disk later. A folder
-    (distributed) checkpoint is read only when it is the user's own, or with `allow_foreign` (`dspo.trust`)."""
+    (distributed) checkpoint is read only when it is the user's own, or with `allow_foreign`, and always as data:
+    its pickles with torch's weights-only unpickler (`dspo.trust.folder_checkpoint_as_data`)."""
     from dspo.trust import check_checkpoint_owner
 
     path = Path(ckpt_path).expanduser()
@@ -67,7 +68,7 @@ def _read_distributed_checkpoint(path: Path, ckpt_path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from dspo.checkpointing import checkpoint_problem
-    from dspo.trust import safe_byte_items
+    from dspo.trust import folder_checkpoint_as_data
 
     problem = checkpoint_problem(path)
     if problem is not None:
@@ -75,7 +76,7 @@ def _read_distributed_checkpoint(path: Path, ckpt_path: str) -> dict[str, Any]:
     checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
     state: dict[str, Any] = {}
     reader, planner = FileSystemReader(str(path)), _EmptyStateDictLoadPlanner(keys={"state_dict"})
-    with safe_byte_items():  # the folder's non-tensor items are pickles: tensors and plain values only
+    with folder_checkpoint_as_data("ckpt_path"):  # torch's reader unpickles `.metadata` and the non-tensor items
         _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     checkpoint["state_dict"] = state["state_dict"]
     return checkpoint
