@@ -79,12 +79,15 @@ def toy_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def run_train(toy_cache: Path) -> Callable[..., subprocess.CompletedProcess]:
-    """`run_train(args, outputs)`: `python -m dspo.train ARGS` on the toy cache, as a user starts it; asserts exit 0."""
+    """`run_train(args, outputs)`: `python -m dspo.train ARGS` on the toy cache, as a user starts it; asserts exit 0.
+    `cache=DIR`: on that cache instead (an empty one: the run's ranks prepare it themselves, at once)."""
 
-    def run(args: list[str], outputs: Path, timeout: int = 900, finishes: int = 1) -> subprocess.CompletedProcess:
+    def run(
+        args: list[str], outputs: Path, timeout: int = 900, finishes: int = 1, cache: Path | None = None
+    ) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "dspo.train", *args]
         # and it exits promptly once finished (issue 38, point 10: a finished DDP run never exited)
-        env, marker = train_env(toy_cache, outputs), "dspo-train finished"
+        env, marker = train_env(cache or toy_cache, outputs), "dspo-train finished"
         result = run_to_exit(cmd, env, timeout, finished=marker, cwd=REPO, finishes=finishes)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         return result

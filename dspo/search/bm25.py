@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import logging
 import re
-import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from dspo.cachedir import build_lock, staged_folder
 from dspo.search.backends import _Bm25sEngine, _RankBm25Engine, _top_k, import_bm25s
 from dspo.search.corpus import iter_corpus, load_corpus
 from dspo.search.passages import PassageStore, passage_line, write_passages
@@ -53,6 +53,7 @@ BACKENDS = ("bm25s", "rank_bm25", "tantivy")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _WORD = re.compile(r"\w+")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -247,21 +248,14 @@ def check_parameters(backend: str, k1: float, b: float) -> None:
 
 @contextmanager
 def staged_index_dir(directory: str | Path, overwrite: bool) -> Iterator[Path]:
-    """A temporary folder beside `directory` that replaces it when the block succeeds (removed if it fails)."""
+    """A temporary folder beside `directory` that replaces it when the block succeeds (removed if it fails).
+
+    The old index is exchanged with the new one in one step (`dspo.cachedir.swap_into_place`): a process loading it
+    never finds `directory` missing, and one that has it open or memory-mapped keeps reading the old files."""
     target = Path(directory)
     check_replaceable(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_folder(target) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
 
 
 def build_index_streamed(
@@ -346,16 +340,27 @@ def build_or_load_index(
     if not Path(corpus).is_file():
         raise FileNotFoundError(f"corpus file not found: {corpus}")
     wanted = corpus_fingerprint(corpus)
-    manifest = read_manifest(index_dir)
-    same = manifest is not None and manifest.get("version") == FORMAT_VERSION and manifest.get("corpus") == wanted
-    if same and (manifest["backend"], manifest["k1"], manifest["b"]) == (backend, k1, b):
-        return BM25Index.load(index_dir, mmap=mmap)
-    if backend == "rank_bm25":
-        passages: Iterable[Passage] = load_corpus(corpus)
-    else:
-        passages = iter_corpus(corpus)  # streamed: bounded memory at any corpus size
-    build_index_streamed(passages, index_dir, backend, k1, b, show_progress=show_progress, corpus_info=wanted)
+    if not _index_is_current(index_dir, wanted, backend, k1, b):
+        # every rank and engine process of a run loads this index: one builds it, the others wait and load its build
+        with build_lock(index_dir):
+            if not _index_is_current(index_dir, wanted, backend, k1, b):
+                if backend == "rank_bm25":
+                    passages: Iterable[Passage] = load_corpus(corpus)
+                else:
+                    passages = iter_corpus(corpus)  # streamed: bounded memory at any corpus size
+                build_index_streamed(
+                    passages, index_dir, backend, k1, b, show_progress=show_progress, corpus_info=wanted
+                )
+                log.info("BM25 index: built %s from %s", index_dir, corpus)
     return BM25Index.load(index_dir, mmap=mmap)
+
+
+def _index_is_current(index_dir: str | Path, corpus: dict, backend: str, k1: float, b: float) -> bool:
+    """Whether `index_dir` holds an index of this corpus (`corpus_fingerprint`) with these parameters."""
+    manifest = read_manifest(index_dir)
+    if manifest is None or manifest.get("version") != FORMAT_VERSION or manifest.get("corpus") != corpus:
+        return False
+    return (manifest["backend"], manifest["k1"], manifest["b"]) == (backend, k1, b)
 
 
 def load_retriever(

@@ -42,6 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dspo.cachedir import staged_folder, write_atomically
 from dspo.resources import data_dir
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions that need them (start-up of --help)
@@ -224,12 +225,13 @@ def greedy_benchmarks(agent, stage: str, files, limit: int | None) -> dict[str, 
 
 
 def ship(workdir: str, output: Path, report: dict, parts: tuple[str, ...] = ("tokenizer", "model")) -> None:
+    """Copy the built `parts` to `output`, each swapped in whole (dspo.cachedir): a run adopting the shipped folders
+    meanwhile (dspo.toy.shipped) copies the old ones or the new ones, never a folder that is missing or half copied."""
     output.mkdir(parents=True, exist_ok=True)
     for part in parts:
-        if (output / part).exists():
-            shutil.rmtree(output / part)
-        shutil.copytree(Path(workdir) / part, output / part)
-    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        with staged_folder(output / part) as staging:
+            shutil.copytree(Path(workdir) / part, staging, dirs_exist_ok=True)
+    write_atomically(output / "report.json", json.dumps(report, indent=2) + "\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

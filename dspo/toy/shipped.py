@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+from dspo.cachedir import staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ def adopt_shipped(
 ) -> bool:
     """Copy the folder `shipped` to `target` when `shipped/manifest` satisfies `matches`; True if it was adopted.
 
-    The copy goes to a temporary sibling first and replaces `target` by a rename, so an interrupted copy never leaves
-    a folder whose manifest looks complete."""
+    The copy goes to a temporary sibling first and is swapped into place at `target` (`dspo.cachedir.staged_folder`),
+    so an interrupted copy never leaves a folder whose manifest looks complete, and a process reading the old `target`
+    never finds it missing. Callers hold `target`'s build lock (`dspo.cachedir.build_lock`)."""
     if shipped is None:
         return False
     source = Path(shipped)
@@ -42,12 +44,7 @@ def adopt_shipped(
     if not matches(recorded):
         log.info("%s does not match this config; building instead", source)
         return False
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-    shutil.copytree(source, staging)
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
-    log.info("adopted %s (shipped with the repository)", source)
+    with staged_folder(target) as staging:
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+    log.info("adopted %s into %s (shipped with the repository)", source, target)
     return True

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from dspo.agent.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
+from dspo.cachedir import build_lock, staged_folder
 from dspo.data.qa import load_qa
 from dspo.engines import HFEngine
 from dspo.search.bm25 import BM25Index
@@ -65,6 +67,8 @@ from dspo.toy.world import (
 from dspo.types import QAItem, Trajectory
 
 MANIFEST = "warmstart_manifest.json"
+TOKENIZER_MANIFEST = "dspo_tokenizer.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -218,14 +222,22 @@ def build_toy_tokenizer(
     out = Path(output_dir)
     # version: bumped when tokenizer_texts changes (4: quotes cut after the later name, dspo.toy.demos.evidence)
     key = {"world": _file_digest(world.corpus) + _file_digest(world.demo), "vocab_size": vocab_size, "version": 4}
-    manifest = _read_manifest(out / "dspo_tokenizer.json")
-    if manifest == key and (out / "tokenizer.json").is_file():
+    if _tokenizer_is_built(out, key):
         return str(out)
-    if adopt_shipped(shipped, out, "dspo_tokenizer.json", lambda recorded: recorded == key):
-        return str(out)
-    train_tokenizer(tokenizer_texts(world), str(out), vocab_size=vocab_size, words=load_name_words(world))
-    (out / "dspo_tokenizer.json").write_text(json.dumps(key))
+    with build_lock(out):  # the ranks of a node prepare at once: one builds or adopts, the others use its result
+        if _tokenizer_is_built(out, key):  # another process built it while this one waited
+            return str(out)
+        if adopt_shipped(shipped, out, TOKENIZER_MANIFEST, lambda recorded: recorded == key):
+            return str(out)
+        with staged_folder(out) as staging:  # swapped in whole: a reader never finds the folder missing or half made
+            train_tokenizer(tokenizer_texts(world), str(staging), vocab_size=vocab_size, words=load_name_words(world))
+            (staging / TOKENIZER_MANIFEST).write_text(json.dumps(key))
+        log.info("toy tokenizer: trained %s", out)
     return str(out)
+
+
+def _tokenizer_is_built(out: Path, key: dict) -> bool:
+    return _read_manifest(out / TOKENIZER_MANIFEST) == key and (out / "tokenizer.json").is_file()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -251,12 +263,30 @@ def warm_start(
         "world": _file_digest(world.corpus) + _file_digest(world.demo),
         "tokenizer": _file_digest(Path(tokenizer_dir) / "tokenizer.json"),
     }
+    if _warm_start_is_built(out, key):
+        return str(out)
+    with build_lock(out):  # the ranks of a node prepare at once: one trains or adopts, the others use its result
+        if _warm_start_is_built(out, key):  # another process built it while this one waited
+            return str(out)
+        if adopt_shipped(shipped, out, MANIFEST, lambda recorded: recorded.get("key") == key):
+            return str(out)
+        # trained in a sibling folder and swapped in whole, manifest included: an interrupted run never looks
+        # finished, and a process loading the old model never finds the folder missing or half written
+        with staged_folder(out) as staging:
+            _train_warm_start(staging, world, tokenizer_dir, config, key)
+        log.info("warm start: trained %s", out)
+    return str(out)
+
+
+def _warm_start_is_built(out: Path, key: dict) -> bool:
     manifest = _read_manifest(out / MANIFEST)
-    if manifest is not None and manifest.get("key") == key and (out / "config.json").is_file():
-        return str(out)
-    if adopt_shipped(shipped, out, MANIFEST, lambda recorded: recorded.get("key") == key):
-        return str(out)
-    (out / MANIFEST).unlink(missing_ok=True)  # written last: an interrupted run never looks finished
+    return manifest is not None and manifest.get("key") == key and (out / "config.json").is_file()
+
+
+def _train_warm_start(
+    staging: Path, world: ToyWorldFiles, tokenizer_dir: str, config: WarmStartConfig, key: dict
+) -> None:
+    """`warm_start`'s build: the model, tokenizer and manifest (last) written to `staging`."""
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -269,7 +299,7 @@ def warm_start(
     else:
         build_tiny_model(
             tokenizer_dir,
-            str(out),
+            str(staging),
             hidden_size=config.hidden_size,
             num_layers=config.num_layers,
             num_heads=config.num_heads,
@@ -277,7 +307,7 @@ def warm_start(
             intermediate_size=config.intermediate_size,
             seed=config.seed,
         )
-        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(staging), dtype=torch.float32)
     items = load_qa(world.demo, benchmark="toy", limit=config.num_demos)
     world_meta = load_world_meta(world)
     words, pieces = load_name_words(world), name_pieces(world)
@@ -332,8 +362,8 @@ def warm_start(
     ]
     with _torch_threads(config.torch_threads):
         losses = train_sft(model, stages, tokenizer.pad_token_id, config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
     stats = {
         "demos": len(demos),
         "demo_reward_mean": sum(t.reward for t in demos) / max(1, len(demos)),
@@ -343,8 +373,7 @@ def warm_start(
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
     }
-    (out / MANIFEST).write_text(json.dumps({"key": key, "config": asdict(config), "stats": stats}, indent=2))
-    return str(out)
+    (staging / MANIFEST).write_text(json.dumps({"key": key, "config": asdict(config), "stats": stats}, indent=2))
 
 
 @contextlib.contextmanager

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import logging
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dspo.cachedir import build_lock, write_atomically
 from dspo.metrics import normalize_answer
 from dspo.toy.deep import DEEP_HOPS, deep_demo_questions, deep_files, deep_questions
 
+log = logging.getLogger(__name__)
 FORMAT_VERSION = 6  # bump when the generated text changes, so cached worlds are rebuilt
+MANIFEST = "manifest.json"  # written last: records the config hash of a finished world
 SPLITS = ("train", "val", "test", "demo")  # demo: entities only the warm-start demonstrations use
 HOP_SPLITS = ("val", "test")  # also written per question type (val_1hop.jsonl, ...): benchmarks toy_1hop / toy_2hop
 # (3- and 4-hop files beside them, on a random stream of their own: dspo.toy.deep, benchmarks toy_3hop / toy_4hop)
@@ -314,11 +317,7 @@ def generate_world(
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def _files(root: Path) -> ToyWorldFiles:
@@ -341,18 +340,43 @@ def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwr
     """Write the world to `output_dir` (train/val/test/demo.jsonl, corpus.jsonl, world.json, manifest.json).
 
     Idempotent: when manifest.json records the same config hash and every file exists, nothing is regenerated.
+    Processes building one world at once (the ranks of a node) take turns on its build lock (`dspo.cachedir`): one
+    writes it, the others then find its manifest and use it. Each file is replaced by a rename, so a reader never finds
+    one missing or half written.
     """
     config = config or ToyWorldConfig()
     root = Path(output_dir).expanduser().resolve()
     files = _files(root)
-    manifest = root / "manifest.json"
     digest = config_hash(config)
-    paths = [files.train, files.val, files.test, files.demo, files.corpus, files.meta, *files.extra.values()]
-    cached = not overwrite and manifest.exists() and all(Path(p).exists() for p in paths)
-    if cached and json.loads(manifest.read_text()).get("config_hash") == digest:
+    if not overwrite and _world_is_built(files, digest):
         return files
+    with build_lock(root):
+        if not overwrite and _world_is_built(files, digest):  # another process built it while this one waited
+            return files
+        _write_world(files, config, digest)
+    log.info("toy world: built %s", root)
+    return files
+
+
+def _world_paths(files: ToyWorldFiles) -> list[str]:
+    return [files.train, files.val, files.test, files.demo, files.corpus, files.meta, *files.extra.values()]
+
+
+def _world_is_built(files: ToyWorldFiles, digest: str) -> bool:
+    """Whether `files.root` holds a finished world of the config hashed to `digest`."""
+    manifest = Path(files.root) / MANIFEST
+    if not manifest.exists() or not all(Path(p).exists() for p in _world_paths(files)):
+        return False
+    return json.loads(manifest.read_text()).get("config_hash") == digest
+
+
+def _write_world(files: ToyWorldFiles, config: ToyWorldConfig, digest: str) -> None:
+    root = Path(files.root)
+    manifest = root / MANIFEST
     root.mkdir(parents=True, exist_ok=True)
-    manifest.unlink(missing_ok=True)  # written last: a crash mid-build never leaves a valid-looking cache
+    # first, a manifest that matches no config (rather than none: the path never goes missing), and the real one last:
+    # a crash mid-build never leaves a valid-looking cache
+    write_atomically(manifest, json.dumps({"config_hash": None, "unfinished": "a build started and has not ended"}))
     ents, corpus, qa, words, pools = generate_world(config)
     for split in SPLITS:
         _write_jsonl(Path(getattr(files, split)), qa[split])
@@ -364,10 +388,9 @@ def build_toyworld(output_dir: str, config: ToyWorldConfig | None = None, overwr
     _write_deep(files, ents, corpus, qa["train"], config.seed)
     _write_jsonl(Path(files.extra["seeds"]), train_seeds(ents, config.seed))
     meta = {"entities": ents, "name_words": words, "name_pools": pools}
-    Path(files.meta).write_text(json.dumps(meta, ensure_ascii=False))
+    write_atomically(Path(files.meta), json.dumps(meta, ensure_ascii=False))
     stats = {s: len(qa[s]) for s in SPLITS} | {"passages": len(corpus)}
-    manifest.write_text(json.dumps({"config_hash": digest, "config": asdict(config), "stats": stats}, indent=2))
-    return files
+    write_atomically(manifest, json.dumps({"config_hash": digest, "config": asdict(config), "stats": stats}, indent=2))
 
 
 def _write_deep(files: ToyWorldFiles, ents: dict, corpus: list[dict], train: list[dict], seed: int) -> None:
