@@ -1,8 +1,9 @@
 """`MiniBatchStats`: the statistics of one optimizer step, accumulated over its micro-batches.
 
 Each micro-batch's loss and KL are already divided by the whole mini-batch's count (the objective's `normalizer`), so
-their sum is the mini-batch's value; the objective's statistics (clip fraction, mean ratio) are means over sequences,
-weighted by each micro-batch's share of the mini-batch's sequences; entropy and the engine/trainer mismatch are
+their sum is the mini-batch's value; the objective's statistics (clip fraction, mean ratio) are means over episodes
+(sequences, unless an episode was split into samples: dspo and gspo take one ratio per episode), weighted by each
+micro-batch's share of the mini-batch's episodes; entropy and the engine/trainer mismatch are
 token means, weighted by each micro-batch's share of the trained tokens; the ratio's minimum and maximum, and the
 smallest correction weight (`mismatch/weight_min`), are the extremes over micro-batches (with trained tokens); the
 effective sample size `mismatch/ess` is the whole mini-batch's, from its per-sequence correction weights. Values
@@ -28,6 +29,7 @@ class MiniBatchStats:
     num_sequences: int  # sequences in the mini-batch (this process)
     num_tokens: float  # trained tokens in the mini-batch (this process)
     num_micro_batches: int
+    num_episodes: int | None = None  # episodes in the mini-batch (this process); None: one per sequence
     totals: dict[str, float] = field(default_factory=dict)
     _sequence_weights: list[torch.Tensor] = field(default_factory=list)  # per-sequence correction weights so far
     _min_seen: bool = False  # a micro-batch with trained tokens gave mismatch/weight_min
@@ -52,7 +54,8 @@ class MiniBatchStats:
         self._sum("train/loss", float(loss.detach()))
         self._sum("loss/kl", float(kl.detach()))
         self._sum("train/entropy", float((entropy * batch.loss_mask).sum() / tokens if tokens else entropy.sum() * 0))
-        weight = len(batch) / self.num_sequences
+        episodes = self.num_episodes or self.num_sequences
+        weight = (int(batch.episode_heads().sum()) if self.num_episodes else len(batch)) / episodes
         for key, value in objective.items():
             name = f"loss/{key}"
             if key in _EXTREMES:

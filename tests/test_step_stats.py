@@ -85,3 +85,15 @@ def test_weight_min_is_over_trained_micro_batches_and_ess_pools_the_mini_batch()
               "ess": torch.tensor(1.0)}, correction=torch.tensor([[0.5, 1.5]]))  # fmt: skip
     assert stats.totals["mismatch/weight_min"] == 0.5
     assert stats.totals["mismatch/ess"] == pytest.approx(4.5**2 / (3 * 7.25), rel=1e-6)
+
+
+def test_objective_statistics_count_episodes_when_an_episode_is_split():
+    """dspo and gspo take one ratio per episode (issue 70, item 3): a micro-batch of one episode split into 3 samples
+    counts once. Episode-weighted: (1.0 x 1 + 0.0 x 1) / 2 episodes = 0.5, where rows would give 3/4."""
+    split, whole = _batch([[0, 1], [0, 1], [0, 1]]), _batch([[0, 1]])
+    split.episode_ids, whole.episode_ids = torch.tensor([7, 7, 7]), torch.tensor([8])
+    stats = MiniBatchStats(num_sequences=4, num_tokens=4.0, num_micro_batches=2, num_episodes=2)
+    zero = torch.tensor(0.0)
+    stats.add(split, zero, zero, torch.zeros(3, 2), {"clipfrac": torch.tensor(1.0)}, {})
+    stats.add(whole, zero, zero, torch.zeros(1, 2), {"clipfrac": torch.tensor(0.0)}, {})
+    assert stats.totals["loss/clipfrac"] == pytest.approx(0.5)

@@ -1,6 +1,6 @@
 """Building blocks of policy objectives, public so that a new objective is a few lines of calls (docs/extending.md):
-masked log-ratios, the sequence ratio (DSPO Eq. 6), the clipped surrogate (Eq. 11 / PPO), ratio statistics, the
-correction weights' shapes and the normalizers of a mini-batch.
+masked log-ratios, the sequence ratio (DSPO Eq. 6) of a row or of a whole episode split into rows, the clipped
+surrogate (Eq. 11 / PPO), ratio statistics, the correction weights' shapes and the normalizers of a mini-batch.
 
 Conventions (`dspo.algorithms.losses` has the rest): logprobs, old_logprobs, mask are [N, L] with mask 1 on
 model-generated tokens only; off-mask positions are *selected away* (torch.where), never multiplied by 0, so padding
@@ -58,6 +58,39 @@ def sequence_ratio(delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     |y_i| [N]. `delta` and the float `mask` as `masked_log_ratio` returns them; an empty sequence has s_i = 1."""
     lengths = mask.sum(dim=1)  # [N]
     return torch.exp(delta.sum(dim=1) / lengths.clamp(min=1.0)), lengths
+
+
+def episode_ratio(
+    delta: torch.Tensor, mask: torch.Tensor, episodes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DSPO's sequence ratio (Eq. 6) of a whole episode, whose samples are several rows of the batch:
+
+        s_e = exp( Σ_{i∈e} Σ_t m_it δ_it / Σ_{i∈e} Σ_t m_it )
+
+    the geometric mean of the token ratios over all the episode's trained tokens, what `sequence_ratio` gives the
+    episode unsplit. `episodes` [N] ids: rows that share one are samples of one episode (a compacted context, an
+    endpoint's prefix break, a partial rollout: `Trajectory.segments`), in any order; None: every row its own episode,
+    where this is `sequence_ratio`. `delta` and the float `mask` as `masked_log_ratio` returns them.
+
+    Returns, each [N]: the ratio of each row's episode (1 for an episode without trained tokens), its episode's
+    length |y_e| (trained tokens of all its rows), and a bool that is True on one row per episode (the first), so that
+    statistics count episodes. An unsplit episode's values are bit-identical to `sequence_ratio`'s: its pooled sums
+    add one row's sum to 0, which is exact.
+    """
+    if episodes is None:
+        ratio, lengths = sequence_ratio(delta, mask)
+        return ratio, lengths, torch.ones_like(lengths, dtype=torch.bool)
+    if episodes.shape != delta.shape[:1]:
+        raise ValueError(f"episodes must be [N]={delta.shape[0]} ids, got {tuple(episodes.shape)}")
+    _, inverse = torch.unique(episodes.to(delta.device), return_inverse=True)  # row -> its episode's index [N]
+    count = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = delta.new_zeros(count).index_add_(0, inverse, delta.sum(dim=1))  # [E]: Σ over the episode's rows
+    lengths = mask.new_zeros(count).index_add_(0, inverse, mask.sum(dim=1))  # [E]: |y_e|
+    ratio = torch.exp(sums / lengths.clamp(min=1.0))  # [E], the same expression as sequence_ratio's
+    rows = torch.arange(inverse.numel(), device=inverse.device)
+    first_row = torch.full((count,), inverse.numel(), device=inverse.device).scatter_reduce_(0, inverse, rows, "amin")
+    first = torch.zeros_like(inverse, dtype=torch.bool).index_fill_(0, first_row, True)
+    return ratio[inverse], lengths[inverse], first
 
 
 def clipped_surrogate(

@@ -21,6 +21,20 @@ Conventions shared by every objective `fn(logprobs, old_logprobs, advantages, ma
 
 Empty masks: a sequence with no trained token has log-ratio 0 (s_i = 1) and contributes 0 to the loss and its gradient;
 no NaN anywhere.
+
+Episodes, not rows (why dspo and gspo depart from a per-row implementation). A row of the batch is a *sample*, and an
+episode may be trained as several of them (`Trajectory.segments`: a compacted context, an agent that rewrote its
+history behind the endpoint, a partial rollout). Eq. 6 defines s_i over a whole response: a per-row ratio would give
+each sample its own geometric mean and its own clip decision, so off-policy (every mini-batch after a round's first)
+a split episode trains differently from the same tokens unsplit. Log-ratio deltas [+1e-3, +1e-3, -1e-3, -1e-3],
+Â = 1, clip 3e-4 / 4e-4: unsplit, s = 1 and the gradient is -0.25 on each token; split 2 + 2, the first sample's
+s = e^0.001 is clipped and the gradient is [0, 0, -0.2498, -0.2498]. So an objective declaring `takes_episodes`
+receives `episodes` ([N] ids; rows that share one are one episode; None: each row its own) and pools its ratio over
+the episode's rows (`blocks.episode_ratio`): one ratio, one clip decision and one statistic per episode. Its rows'
+weights carry each sample's share |y_sample| / |y_episode| (`PolicyBatch.sample_scale`, applied by the trainer), which
+add to 1, so the episode's surrogate counts once. Token-level objectives (grpo, dapo) need no ids: a token's ratio is
+the same in any sample, and grpo's per-row mean scaled by the sample's share is the episode's token mean exactly.
+Objectives that do not declare `takes_episodes` (user ones written before it) are called as before, without the ids.
 """
 
 from __future__ import annotations
@@ -37,10 +51,10 @@ from dspo.algorithms.blocks import (
     check_shapes,
     clipped_surrogate,
     denominator,
+    episode_ratio,
     loss_normalizer,
     masked_log_ratio,
     ratio_stats,
-    sequence_ratio,
     sequence_weights,
     token_normalizer,
     token_weights,
@@ -88,6 +102,7 @@ class Objective:
     ratio_level: str = "sequence"  # "sequence": one ratio per sequence, only sequence-level correction weights
     settings: Any = None  # the default settings (a dataclass instance), None for an objective without settings
     token_advantages: bool = False  # takes advantages [N, L] (per-turn credit, env.reward.credit=turn) as well as [N]
+    takes_episodes: bool = False  # takes episodes=[N] ids: one ratio per episode however many rows it became
 
     def __post_init__(self) -> None:
         for key in ("normalizer_unit", "ratio_level"):
@@ -97,6 +112,22 @@ class Objective:
     def make_settings(self, kwargs: Mapping[str, Any] | None = None) -> Any:
         """The defaults with `algorithm.loss_kwargs` applied (validated)."""
         return make_settings(self.settings, kwargs, "algorithm.loss_kwargs", f"objective '{self.name}'")
+
+    def compute(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        settings: Any,
+        normalizer: float | None = None,
+        weights: torch.Tensor | None = None,
+        episodes: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Stats]:
+        """The objective's loss and statistics. `episodes` ([N] ids) reaches only an objective that declares
+        `takes_episodes`, so one written with the signature without it keeps working (it ignores splits)."""
+        extra = {"episodes": episodes} if self.takes_episodes else {}
+        return self.loss(logprobs, old_logprobs, advantages, mask, settings, normalizer, weights=weights, **extra)
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective", "algorithm.loss")
@@ -108,6 +139,7 @@ def register_objective(
     ratio_level: str = "sequence",
     settings: Any = None,
     token_advantages: bool = False,
+    takes_episodes: bool = False,
 ) -> Callable[[ObjectiveFn], ObjectiveFn]:
     """Register `fn` under `names` (values of algorithm.loss), with its record's facts and default `settings`.
 
@@ -117,6 +149,8 @@ def register_objective(
     settings: a dataclass instance holding the objective's own settings with their defaults (None: no settings).
     token_advantages: the objective weighs each token by its own advantage when given advantages [N, L] (per-turn
         credit); sequence-level objectives leave it False and get one advantage per sequence.
+    takes_episodes: the objective takes a keyword `episodes` ([N] ids, None = each row its own episode) and computes
+        one ratio per episode (`blocks.episode_ratio`), so that a split episode trains as it would unsplit.
     """
 
     for key, value in (("normalizer_unit", normalizer_unit), ("ratio_level", ratio_level)):
@@ -125,7 +159,8 @@ def register_objective(
 
     def wrap(fn: ObjectiveFn) -> ObjectiveFn:
         for name in names:
-            OBJECTIVES.add(name, Objective(name, fn, normalizer_unit, ratio_level, settings, token_advantages))
+            record = Objective(name, fn, normalizer_unit, ratio_level, settings, token_advantages, takes_episodes)
+            OBJECTIVES.add(name, record)
         return fn
 
     return wrap
@@ -139,29 +174,36 @@ def sequence_clip_loss(
     settings: ClipRange,
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
+    episodes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """Sequence-level clipped objective (DSPO Eq. 6 + Eq. 11; GSPO).
+    """Sequence-level clipped objective (DSPO Eq. 6 + Eq. 11; GSPO), one ratio and one clip decision per episode.
 
-    s_i = exp( Σ_t m_it (logπθ − logπold) / Σ_t m_it )                         (Eq. 6)
-    J   = (1/N) Σ_i min( s_i Â_i, clip(s_i, 1−ε_low, 1+ε_high) Â_i )           (Eq. 11)
+    s_e = exp( Σ_{i∈e} Σ_t m_it (logπθ − logπold) / Σ_{i∈e} Σ_t m_it )         (Eq. 6, over episode e's rows)
+    J   = (1/N) Σ_i w_i min( s_e(i) Â_i, clip(s_e(i), 1−ε_low, 1+ε_high) Â_i )  (Eq. 11)
 
-    With groups of equal size G, the mean over all N = B·G sequences equals the mean over groups of the 1/G sum.
-    Unclipped gradient (Eq. 8): ∇J = (1/N) Σ_i s_i Â_i · (1/|y_i|) Σ_t ∇logπθ(y_it).
-    With rollout-correction weights, the term of sequence i is multiplied by its weight w_i.
+    Unsplit (`episodes` None, or each row its own id) row i is episode i: s_i over its tokens, w_i = 1 without
+    correction. With groups of equal size G, the mean over all N = B·G sequences equals the mean over groups of the 1/G
+    sum. Unclipped gradient (Eq. 8): ∇J = (1/N) Σ_i s_i Â_i · (1/|y_i|) Σ_t ∇logπθ(y_it).
+    Split, N counts episodes and the weights w_i of an episode's rows add to its correction weight (each row's is
+    scaled by its share |y_i| / |y_e|, `PolicyBatch.sample_scale`): the episode's clipped term counts once, and its
+    gradient is the unsplit one, (1/N) w_e s_e Â_e · (1/|y_e|) Σ_{t∈e} ∇logπθ where not clipped.
+    A row without trained tokens contributes 0; every row of an episode carries the episode's advantage.
     """
     check_shapes(logprobs, old_logprobs, advantages, mask)
     delta, mask_f = masked_log_ratio(logprobs, old_logprobs, mask)  # [N, L]
-    seq_ratio, lengths = sequence_ratio(delta, mask_f)  # [N], [N]
+    seq_ratio, lengths, first = episode_ratio(delta, mask_f, episodes)  # [N] each: s_e, |y_e|, one row per episode
     surrogate, is_clipped = clipped_surrogate(seq_ratio, advantages, settings.clip_low, settings.clip_high)  # [N]
-    surrogate = surrogate * (lengths > 0)  # an empty sequence would otherwise add the constant Â_i to the loss
+    surrogate = surrogate * (mask_f.sum(dim=1) > 0)  # an empty row would otherwise add the constant Â_i to the loss
     seq_weights = sequence_weights(weights, mask_f, "sequence_clip_loss")  # [N] or None
     if seq_weights is not None:
         surrogate = surrogate * seq_weights
     loss = -surrogate.sum() / denominator(normalizer, surrogate.shape[0], "sequence_clip_loss")
-    return loss, ratio_stats(seq_ratio, lengths > 0, is_clipped)
+    return loss, ratio_stats(seq_ratio[first], (lengths > 0)[first], is_clipped[first])  # statistics of episodes
 
 
-register_objective("dspo", "gspo", settings=ClipRange(clip_low=3e-4, clip_high=4e-4))(sequence_clip_loss)
+register_objective("dspo", "gspo", settings=ClipRange(clip_low=3e-4, clip_high=4e-4), takes_episodes=True)(
+    sequence_clip_loss
+)
 
 
 def _token_clip_surrogate(
@@ -234,13 +276,17 @@ def policy_loss(
     settings: Any = None,
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
+    episodes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """The objective registered under `name`; `settings` is its settings object, a mapping of overrides of its
-    defaults (as `algorithm.loss_kwargs`), or None for the defaults."""
+    defaults (as `algorithm.loss_kwargs`), or None for the defaults. `episodes`: [N] ids of the rows' episodes, for
+    an objective that `takes_episodes` (see the module docstring); ignored by the others."""
     objective = OBJECTIVES[name]
     if settings is None or isinstance(settings, Mapping):
         settings = objective.make_settings(settings)
-    return objective.loss(logprobs, old_logprobs, advantages, mask, settings, normalizer, weights=weights)
+    return objective.compute(
+        logprobs, old_logprobs, advantages, mask, settings, normalizer, weights=weights, episodes=episodes
+    )
 
 
 def _k1(delta: torch.Tensor) -> torch.Tensor:
