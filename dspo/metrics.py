@@ -49,6 +49,16 @@ def sub_exact_match(prediction: str | None, golds: str | Sequence[str]) -> float
     return float(any(gold in pred for gold in normalized_golds(golds)))
 
 
+def phrase_in(phrase: str, text: str) -> bool:
+    """True when the normalized `phrase` occurs in the normalized `text` as a run of whole tokens: "new york" is in
+    "I live in New York.", "1" is not in "1991" (a blank phrase is in nothing). Not subEM, which is a substring test
+    by the paper's definition: this is the environments' test of whether a text states an answer, a title or a
+    topic (env=goal_reflect, self-play's proposals and check), where a substring would count "1" as "1991"."""
+    wanted = normalize_answer(phrase)
+    # normalized text has single spaces and none at the ends, so padding both makes `in` match whole tokens only
+    return bool(wanted) and f" {wanted} " in f" {normalize_answer(text)} "
+
+
 def exact_match(prediction: str | None, golds: str | Sequence[str]) -> float:
     if prediction is None:
         return 0.0

@@ -256,8 +256,17 @@ def merge_stats(parts: Sequence[RolePart]) -> dict[str, float]:
 class FailureRateReward:
     """A proposer paid by how hard its question was: the share of the solver's episodes that failed on the item built
     from it (its `outcome` too, so the filter keeps proposer groups whose questions differ in difficulty). A proposal
-    no item was built from (invalid) earns 0. Statistics: `<proposer>/valid_share` (episodes whose proposal became an
-    item) and `<proposer>/difficulty` (the mean failure rate over valid ones).
+    no item was built from (invalid) earns 0.
+
+    A solver episode that crashed (`Trajectory.failed`: its agent raised or timed out) has no outcome, so it pays no
+    one: it is neither a failure nor a success, and the rate is over the episodes that ran (its own group is dropped
+    by the round, `RolloutGroup.failed`). Counted as failures, crashes paid the proposer for the solver's errors. A
+    proposal whose solver episodes all crashed was not measured: it earns 0, as an invalid one (no pay for a crash),
+    and is counted. An episode the budget ended (`truncated`) is the solver's own failure and counts as one.
+
+    Statistics: `<proposer>/valid_share` (episodes whose proposal became an item), `<proposer>/difficulty` (the mean
+    failure rate over the measured ones), `<proposer>/unmeasured` (proposals whose solver episodes all crashed) and
+    `<proposer>/solver_crashed` (solver episodes on proposals that crashed).
 
     Args:
         proposer, solver: the two roles' names.
@@ -265,27 +274,38 @@ class FailureRateReward:
 
     def __init__(self, proposer: str = "proposer", solver: str = "solver") -> None:
         self.proposer, self.solver = proposer, solver
-        self.stat_kinds = {f"{proposer}/valid_share": Kind.MEAN, f"{proposer}/difficulty": Kind.MEAN}
+        self.stat_kinds = {
+            f"{proposer}/valid_share": Kind.MEAN,
+            f"{proposer}/difficulty": Kind.MEAN,
+            f"{proposer}/unmeasured": Kind.SUM,
+            f"{proposer}/solver_crashed": Kind.SUM,
+        }
 
     def __call__(self, parts: Sequence[RolePart]) -> dict[str, float]:
         by_role = {part.role: part for part in parts}
         for name in (self.proposer, self.solver):
             if name not in by_role:
                 raise ValueError(f"rollout.agent.settle: no role named {name!r} (roles: {list(by_role)})")
-        failure: dict[tuple[int, int], float] = {}
+        failure: dict[tuple[int, int], float] = {}  # measured proposals only
+        built, crashed = 0, 0
         for group in by_role[self.solver].groups:
             found = origin(group.item)
             if found is not None and found[0] == self.proposer:
-                failed = sum(float(t.outcome) <= 0 for t in group.trajectories)
-                failure[found[1:]] = failed / max(len(group.trajectories), 1)
+                built += 1
+                ran = [t for t in group.trajectories if not t.failed]
+                crashed += len(group.trajectories) - len(ran)
+                if ran:
+                    failure[found[1:]] = sum(float(t.outcome) <= 0 for t in ran) / len(ran)
         episodes = 0
         for g, group in enumerate(by_role[self.proposer].groups):
             for e, trajectory in enumerate(group.trajectories):
                 episodes += 1
                 trajectory.reward = trajectory.outcome = failure.get((g, e), 0.0)
                 trajectory.reward_components["difficulty"] = trajectory.reward
-        valid = list(failure.values())
+        measured = list(failure.values())
         return {
-            f"{self.proposer}/valid_share": len(valid) / max(episodes, 1),
-            f"{self.proposer}/difficulty": sum(valid) / max(len(valid), 1),
+            f"{self.proposer}/valid_share": built / max(episodes, 1),
+            f"{self.proposer}/difficulty": sum(measured) / max(len(measured), 1),
+            f"{self.proposer}/unmeasured": float(built - len(measured)),
+            f"{self.proposer}/solver_crashed": float(crashed),
         }

@@ -3,9 +3,10 @@
 
 `VerifiedProposals` is a `Role.derive` (`dspo.agent.roles`): after the proposer played, it reads each proposer
 episode's final turn (`dspo.env.proposals.parse_proposal`) and keeps the proposal only when the policy itself, greedy
-and without searching, answers the question correctly from the documents the proposer retrieved. The kept ones become
-the solver's items (question and answer, each naming the episode it came from); the others are counted by reason and
-earn 0 (`FailureRateReward` pays an episode no item was built from nothing).
+and without searching, answers the question correctly from the documents the proposer retrieved (its answer states
+the proposer's as whole words, `check_agrees`). The kept ones become the solver's items (question and answer, each
+naming the episode it came from); the others are counted by reason and earn 0 (`FailureRateReward` pays an episode no
+item was built from nothing).
 
 The check's prompt is the solver's first prompt for the proposed question followed by the proposer's episode up to its
 final turn, token for token (its searches, the results as its context held them, the wrappers between them), so the
@@ -28,8 +29,8 @@ from dspo.agent.stats import Kind
 from dspo.engines.base import SamplingConfig
 from dspo.env.answerer import ANSWER_STOPS
 from dspo.env.proposals import parse_proposal
-from dspo.env.rewards import extract_answer, subem_reward
-from dspo.metrics import normalize_answer
+from dspo.env.rewards import extract_answer
+from dspo.metrics import phrase_in
 
 REASONS = (
     "no_question",
@@ -50,10 +51,10 @@ class VerifiedProposals:
         dspo's default for the tag format).
     check: run the retrieval-augmented check (False: every well-formed, searched proposal is kept; an ablation).
     on_topic: refuse a question that holds markup (`<`, `>`: `malformed_question`) or does not name its topic (the
-        proposer's prompt, normalized, as a part of the normalized question: `off_topic`). Why: the check reads the
-        proposer's evidence, so it answers right whatever the question says; without this rule the toy's proposer
-        learned, within 40 steps, to write broken questions ("Where </ququestion>? </") about other pages, which the
-        check passed and the searching solver could not answer, a high "difficulty" for nothing (measured, docs).
+        proposer's prompt, as whole words of the question: `off_topic`). Why: the check reads the proposer's
+        evidence, so it answers right whatever the question says; without this rule the toy's proposer learned,
+        within 40 steps, to write broken questions ("Where </ququestion>? </") about other pages, which the check
+        passed and the searching solver could not answer, a high "difficulty" for nothing (measured, docs).
     max_new_tokens: of the checker's answer turn.
     benchmark: the solver items' benchmark name (their statistics are the solver role's).
 
@@ -139,7 +140,7 @@ class VerifiedProposals:
                 f"self-play check: the engine returned {len(generations)} generations for {len(prompts)}"
             )
         return [
-            subem_reward(extract_answer(generation.text), [proposal.answer]) == 1.0
+            check_agrees(extract_answer(generation.text), proposal.answer)
             for generation, (_, _, proposal, _) in zip(generations, candidates, strict=True)
         ]
 
@@ -165,4 +166,10 @@ def off_topic(question: str, topic: str) -> str:
     topic), or "" (it is about it)."""
     if "<" in question or ">" in question:
         return "malformed_question"
-    return "" if normalize_answer(topic) in normalize_answer(question) else "off_topic"
+    return "" if phrase_in(topic, question) else "off_topic"
+
+
+def check_agrees(checked: str | None, proposed: str) -> bool:
+    """The check's answer states the proposer's answer as whole words (`dspo.metrics.phrase_in`): a substring would
+    pass the proposal "1" on a check that answered "1991"."""
+    return checked is not None and phrase_in(proposed, checked)

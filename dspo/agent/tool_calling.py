@@ -44,7 +44,7 @@ from dspo.agent.protocol import AgentRollout
 from dspo.agent.trajectory import EpisodeCounts, EpisodeEnd, EpisodeTokens, build_trajectory
 from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
-from dspo.env.rewards import EpisodeRecord, TurnRecord
+from dspo.env.rewards import EpisodeRecord, TurnRecord, observation_ids
 from dspo.env.tools import CallContext, carried
 from dspo.types import Generation, QAItem, RolloutGroup, Segment, Trajectory
 
@@ -325,8 +325,8 @@ class ToolCallingAgent:
         """Splice `prefix + observation (≤ max_obs_tokens) + suffix` in with mask 0, within the total length cap (with
         `overflow: compact`, after making room for it and a whole next turn)."""
         cfg = self.config
-        text = carried(self.observation_text(ep.observation, turn))  # what a tool echoed may not be encodable
-        obs_ids = self.tokenizer.encode(text, add_special_tokens=False)[: cfg.max_obs_tokens]
+        # one cut for the loop and every reader of the episode (env=planner's answerer): `observation_ids`
+        obs_ids = observation_ids(self.tokenizer, self.observation_text(ep.observation, turn), cfg.max_obs_tokens)
         wrapped = self.tool_turn.prefix_ids + obs_ids + self.tool_turn.suffix_ids
         if cfg.overflow == "compact":
             self._compact(ep, ep.length + len(wrapped) + cfg.max_new_tokens_per_turn - cfg.max_total_tokens, wrapped)

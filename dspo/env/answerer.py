@@ -16,8 +16,11 @@ and, for every call that ran, the planner's turn text and the tool's result, spl
 planner's final turn (its own answer) is left out. The answerer then writes one turn, stopped at `</answer>` (or at a
 call's closing tag: a call instead of an answer is no answer). In the toy the answerer is the shipped warm start, a
 search agent, so the transcript is the format it was trained on, token for token at the joins (`prompt_ids`), with
-the "one turn left" note where the planner saw it (`max_turns`). AI-SearchPlanner's generator likewise answers
-"conditioned on the whole trajectory" (queries, snippets, the planner's reasoning).
+the "one turn left" note where the planner saw it (`max_turns`) and each result cut where the planner's context cut
+it (`max_obs_tokens`, by the answerer's tokenizer: the planner's wherever the two models share one, as the toy's and
+Qwen2.5's sizes do); uncut, real passages gave the answerer text the planner never saw and could overrun a vLLM
+answerer's `max_model_len`. AI-SearchPlanner's generator likewise answers "conditioned on the whole trajectory"
+(queries, snippets, the planner's reasoning).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dspo.engines.base import SamplingConfig
-from dspo.env.rewards import TurnRecord, extract_answer
+from dspo.env.rewards import TurnRecord, extract_answer, observation_ids
 from dspo.env.simulated import uniform
 from dspo.metrics import normalize_answer
 
@@ -130,6 +133,8 @@ class EngineAnswerer:
     max_turns: the planner's `rollout.agent.max_turns`: the result of its turn max_turns - 2 carries the agent's
         "one turn left" note, as the planner saw it (seen on the toy: shown the note after its first search, where
         it never saw it in training, the warm start wrote a broken call instead of its answer); None: no note.
+    max_obs_tokens: the planner's `rollout.agent.max_obs_tokens`: each result is cut to it as the planner's context
+        cut it (`dspo.env.rewards.observation_ids`); None: not cut.
     instruction: the first user message with `{question}`; None = dspo's default for the tag format (the toy's).
     max_new_tokens: of the answer turn. temperature: 0 = greedy (default: the answerer is a fixed function of what
         was found). seed: of its sampling, its own (mixed with each batch's keys).
@@ -141,6 +146,7 @@ class EngineAnswerer:
         engine: Any = None,
         tag_format: str = "searchr1",
         max_turns: int | None = None,
+        max_obs_tokens: int | None = None,
         instruction: str | None = None,
         max_new_tokens: int = 96,
         temperature: float = 0.0,
@@ -150,12 +156,15 @@ class EngineAnswerer:
             raise ValueError(f"env.reward.answerer.tag_format={tag_format!r}: expected 'qwen' or 'searchr1'")
         if max_new_tokens < 1:
             raise ValueError(f"env.reward.answerer.max_new_tokens={max_new_tokens}: must be >= 1")
+        if max_obs_tokens is not None and max_obs_tokens < 1:
+            raise ValueError(f"env.reward.answerer.max_obs_tokens={max_obs_tokens}: must be >= 1 (or null: no cut)")
         built = engine is not None and callable(getattr(engine, "generate", None))
         if not built and model_path is None:
             raise ValueError("env.reward.answerer.model_path: set the answerer model's directory")
         self.model_path, self.factory = model_path, (None if built else engine)
         self.engine = FrozenEngine(engine) if built else None
         self.tag_format, self.instruction, self.max_turns = tag_format, instruction, max_turns
+        self.max_obs_tokens = max_obs_tokens
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
 
     def _engine(self) -> FrozenEngine:
@@ -167,9 +176,9 @@ class EngineAnswerer:
 
     def prompt_ids(self, tokenizer: Any, request: AnswerRequest, wrap: Any = None) -> list[int]:
         """The answerer's prompt for `request` (the module's docstring), tokenized piece by piece as the agent builds
-        its context (the first prompt, each turn's text, the tool turn's pre-tokenized wrappers around each result),
-        so that the joins are the tokens the planner's context held, not what one tokenization of the whole text
-        would merge them into."""
+        its context (the first prompt, each turn's text, the tool turn's pre-tokenized wrappers around each result
+        cut to `max_obs_tokens`), so that the joins and the results are the tokens the planner's context held, not
+        what one tokenization of the whole text would merge them into."""
         # the agent's own rendering, imported when first used (the agent layer imports the environment's modules)
         from dspo.agent.prompts import ToolTurnTemplate, build_messages, render_prompt
         from dspo.agent.tool_calling import LAST_TURN_NOTE
@@ -184,7 +193,8 @@ class EngineAnswerer:
         for index, turn in enumerate(request.turns):  # the episode's turn numbers: where the planner saw the note
             if id(turn) in found:
                 note = LAST_TURN_NOTE if self.max_turns is not None and index == self.max_turns - 2 else ""
-                ids += encode(turn.text) + wrap.prefix_ids + encode(turn.result.text + note) + wrap.suffix_ids
+                result = observation_ids(tokenizer, turn.result.text + note, self.max_obs_tokens)  # the note is cut too
+                ids += encode(turn.text) + wrap.prefix_ids + result + wrap.suffix_ids
         return ids
 
     def answer(self, requests: Sequence[AnswerRequest]) -> list[str | None]:

@@ -9,9 +9,10 @@ turn counts.
 
 The reward rule (`GoalReflectReward`), checkable exactly wherever the item names its gold pages (`metadata[gold_key]`:
 the toy world's `chain`, the entity whose page each hop needs; HotpotQA's `supporting_titles`):
-- a search's *target* is the gold page its goal names (the last gold title the normalized goal contains); a goal that
-  names none, or no goal, targets the gold page of the search's position (the k-th search, the k-th page; the last
-  beyond the chain), as `reward/right_tool` of env=two_sources does;
+- a search's *target* is the gold page its goal names (the last gold title the goal contains as whole words,
+  `dspo.metrics.phrase_in`: a goal naming "Kel Dranson" does not name "Kel Dran"); a goal that names none, or no
+  goal, targets the gold page of the search's position (the k-th search, the k-th page; the last beyond the chain),
+  as `reward/right_tool` of env=two_sources does;
 - the results *hold the target* when a retrieved passage is titled with it;
 - the *verdict* is the reflection's first word: `yes` or `no` (case and punctuation aside); any other first word is no
   verdict, which is never right;
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dspo.env.rewards import EpisodeRecord, RewardResult, SubEMReward
-from dspo.metrics import normalize_answer
+from dspo.metrics import normalize_answer, phrase_in
 
 VERDICTS = {"yes": True, "no": False}
 _GOAL = re.compile(r"<goal>((?:(?!<goal>).)*?)</goal>", re.DOTALL)
@@ -119,7 +120,7 @@ def check_searches(episode: EpisodeRecord, gold_key: str) -> list[SearchCheck]:
 def _target(goal: str | None, gold: list[str], position: int) -> str:
     if not gold:
         return ""
-    named = [title for title in gold if goal and title and title in normalize_answer(goal)]
+    named = [title for title in gold if goal and phrase_in(title, goal)]
     return named[-1] if named else gold[min(position, len(gold) - 1)]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from dspo.env.environment import Environment
 from dspo.env.rewards import EpisodeRecord, RewardResult, check_credit, extract_answer
-from dspo.metrics import normalize_answer
+from dspo.metrics import normalize_answer, phrase_in
 
 _QUESTION = re.compile(r"<question>(.*?)</question>", re.DOTALL)
 MAX_QUESTION_CHARS = 512
@@ -51,8 +51,9 @@ class Proposal:
 
 def parse_proposal(text: str) -> tuple[Proposal | None, str]:
     """(the proposal of a final turn, "") or (None, why not): `no_question` (no complete `<question>` block, or an
-    empty or over-long one), `no_answer` (no non-empty `<answer>`), `answer_in_question` (the normalized answer is a
-    part of the normalized question: the question gives itself away)."""
+    empty or over-long one), `no_answer` (no non-empty `<answer>`), `answer_in_question` (the question states the
+    answer, as whole words: it gives itself away; `dspo.metrics.phrase_in`, so the answer "1" is not refused in a
+    question about 1991)."""
     found = _QUESTION.findall(text)
     question = found[-1].strip() if found else ""
     if not question or len(question) > MAX_QUESTION_CHARS:
@@ -60,7 +61,7 @@ def parse_proposal(text: str) -> tuple[Proposal | None, str]:
     answer = (extract_answer(text) or "").strip()
     if not normalize_answer(answer):
         return None, "no_answer"
-    if normalize_answer(answer) in normalize_answer(question):
+    if phrase_in(answer, question):
         return None, "answer_in_question"
     return Proposal(question, answer), ""
 

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dspo.env.tools import ToolResult
+from dspo.env.tools import ToolResult, carried
 from dspo.metrics import normalize_answer, sub_exact_match
 from dspo.types import QAItem
 
@@ -83,6 +83,14 @@ class TurnRecord:
     call: tuple[str, dict] | None = None
     invalid: str | None = None
     result: ToolResult | None = None
+
+
+def observation_ids(tokenizer: Any, text: str, max_obs_tokens: int | None) -> list[int]:
+    """A tool message's tokens as the agent loop splices them into the context (`ToolCallingAgent._append_observation`):
+    the text made encodable, tokenized alone, cut to `max_obs_tokens` (None: not cut). A reader of the episode
+    (env=planner's answerer) calls it to see each result exactly as the policy saw it."""
+    ids = tokenizer.encode(carried(text), add_special_tokens=False)
+    return ids if max_obs_tokens is None else ids[:max_obs_tokens]
 
 
 @dataclass

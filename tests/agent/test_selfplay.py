@@ -5,14 +5,16 @@ proposer paid by the solver's failure rate, through real tool-calling agents on 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspo.agent import build_agent
-from dspo.agent.roles import FailureRateReward, Role, RoleAgent, origin
+from dspo.agent.roles import FailureRateReward, Role, RoleAgent, RolePart, derived_item, origin
 from dspo.agent.selfplay import VerifiedProposals, off_topic
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment
 from dspo.env.proposals import proposer_environment
-from dspo.types import QAItem
+from dspo.types import QAItem, RolloutGroup, Trajectory
 
 LOOP = {"_target_": "dspo.agent.tool_calling.ToolCallingAgent", "tag_format": "searchr1", "max_turns": 3}
 FRANCE = "<question> What is the capital of France? </question>\n<answer> Paris </answer>"
@@ -119,3 +121,62 @@ def test_off_topic_proposals_are_refused_unless_the_rule_is_off(qwen_tokenizer, 
     assert [g.role for g in strict.groups] == ["proposer"] and strict.stats["proposer/invalid/off_topic"] == 0.75
     loose = _agent(qwen_tokenizer, retriever, Script(), on_topic=False).rollout(topic, 4, 0)
     assert [g.item.question for g in loose.groups if g.role == "solver"] == ["What is the capital of France?"]
+
+
+# ------------------------------------------------------------------------------------------ crashed solver episodes
+def episode(outcome: float, stop_reason: str = "finished", truncated: bool = False) -> Trajectory:
+    return Trajectory([1], [], [], [], reward=outcome, stop_reason=stop_reason, truncated=truncated)
+
+
+SOLVED, FAILED, OUT_OF_TURNS = episode(1.0), episode(0.0), episode(0.0, "max_turns", truncated=True)
+CRASHED, TIMED_OUT = episode(0.0, "agent_error"), episode(0.0, "agent_timeout")  # stubs: outcome 0, no outcome really
+
+
+def settled(solver_episodes: list[list[Trajectory]], proposals: int) -> tuple[list[float], dict[str, float]]:
+    """`FailureRateReward` over one topic's `proposals` proposer episodes, the first len(solver_episodes) of which
+    became solver items with these episodes; the proposer's rewards and the statistics."""
+    topic = QAItem("t0", "France", ["France"])
+    proposer = RolePart("proposer", [topic], [RolloutGroup(topic, [episode(0.0) for _ in range(proposals)])], {}, {})
+    items = [derived_item(proposer, 0, e, f"q{e}?", ["a"]) for e in range(len(solver_episodes))]
+    groups = [RolloutGroup(item, list(trajectories)) for item, trajectories in zip(items, solver_episodes)]
+    stats = FailureRateReward()([proposer, RolePart("solver", items, groups, {}, {})])
+    rewards = [t.reward for t in proposer.groups[0].trajectories]
+    assert rewards == [t.outcome for t in proposer.groups[0].trajectories]  # the filter tests the same figure
+    return rewards, stats
+
+
+def test_a_crashed_solver_episode_pays_no_one_and_a_proposal_whose_solver_all_crashed_earns_nothing():
+    rewards, stats = settled(
+        [
+            [SOLVED, FAILED, CRASHED, CRASHED],  # 1 failure of the 2 that ran (crashes counted: 3 of 4)
+            [CRASHED, TIMED_OUT, CRASHED, CRASHED],  # none ran: not measured (crashes counted: 4 of 4)
+            [OUT_OF_TURNS, FAILED, SOLVED, episode(1.0, "agent_timeout")],  # out of turns is a failure: 2 of 3
+        ],
+        proposals=4,  # episode 3's proposal was refused: 0
+    )
+    assert rewards == pytest.approx([1 / 2, 0.0, 2 / 3, 0.0])
+    assert stats == pytest.approx(
+        {"proposer/valid_share": 3 / 4, "proposer/difficulty": (1 / 2 + 2 / 3) / 2, "proposer/unmeasured": 1.0,
+         "proposer/solver_crashed": 7.0}
+    )  # fmt: skip
+
+
+outcomes = st.lists(st.sampled_from([SOLVED, FAILED, OUT_OF_TURNS]), max_size=5)
+crashes = st.lists(st.sampled_from([CRASHED, TIMED_OUT, episode(1.0, "agent_error")]), max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(outcomes, crashes, st.randoms()).filter(lambda p: p[0] or p[1]), min_size=1, max_size=4))
+def test_crashes_added_anywhere_change_no_proposers_reward_unless_nothing_ran(proposals):
+    """Whatever crashes join a proposal's solver episodes, in any order, its reward is the failure rate of those that
+    ran, and 0 when none did."""
+    with_crashes = []
+    for ran, crashed, rng in proposals:
+        mixed = ran + crashed
+        rng.shuffle(mixed)
+        with_crashes.append(mixed)
+    rewards, stats = settled(with_crashes, proposals=len(proposals))
+    for reward, (ran, _, _) in zip(rewards, proposals):
+        assert reward == (sum(t.outcome == 0.0 for t in ran) / len(ran) if ran else 0.0)
+    assert stats["proposer/solver_crashed"] == sum(len(crashed) for _, crashed, _ in proposals)
+    assert stats["proposer/unmeasured"] == sum(not ran for ran, _, _ in proposals)

@@ -117,6 +117,65 @@ def test_the_answerer_answers_asks_from_what_was_found_and_answers_for_the_plann
         AskAnswererTool(answerer, max_question_chars=5).prepare({"question": "a longer question"})
 
 
+class RecordingEngine:
+    """A built engine for the answerer: answers every prompt and keeps the token ids it was given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.prompts = tokenizer, []
+        self._answers = ScriptedEngine(tokenizer, lambda prompt, turn, index: "<answer> Tares Brumin </answer>")
+
+    def generate(self, prompts, sampling):
+        self.prompts += [list(prompt) for prompt in prompts]
+        return self._answers.generate(prompts, sampling)
+
+
+class KeptEpisodes(PlannerReward):
+    """The planner's reward, keeping the episodes it scored."""
+
+    def score(self, episodes):
+        self.episodes = list(episodes)
+        return super().score(episodes)
+
+
+class EveryPage:
+    """Every page for every query: results of ~70 tokens."""
+
+    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        return [PAGES[:k] for _ in queries]
+
+
+@pytest.mark.parametrize("max_obs_tokens", [5, 12, 31, 400])
+def test_the_answerer_reads_each_result_cut_to_the_tokens_the_planner_saw(qwen_tokenizer, max_obs_tokens):
+    """The answerer's transcript after its first prompt is the planner's context after its own, token id for token
+    id, up to the planner's final turn: each result cut where the agent loop cut it (results of ~70 tokens, cut to 5,
+    12 and 31; 400 cuts nothing), the "one turn left" note after the second result cut with it."""
+    scripts = [["<search> Brikor Corp </search>", "<search> Tares Brumin </search>", "<answer> X </answer>"]] * 2
+    recorder = RecordingEngine(qwen_tokenizer)
+    answerer = EngineAnswerer(engine=recorder, max_turns=3, max_obs_tokens=max_obs_tokens)
+    reward = KeptEpisodes(answerer)
+    env = Environment({"search": SearchTool(EveryPage(), topk=3)}, reward)
+    planner = ToolCallingAgent(
+        ScriptedEngine(qwen_tokenizer, scripts), qwen_tokenizer, env, tag_format="searchr1", max_turns=3,
+        max_obs_tokens=max_obs_tokens,
+    )  # fmt: skip
+    trajectories = planner.rollout([HOP2], 2, 0).groups[0].trajectories
+    first = answerer.prompt_ids(qwen_tokenizer, AnswerRequest(HOP2.question))
+    assert len(recorder.prompts) == 2  # the hand-off, one per episode
+    uncut = EngineAnswerer(engine=RecordingEngine(qwen_tokenizer), max_turns=3)  # what the answerer read before
+    for trajectory, prompt, episode in zip(trajectories, recorder.prompts, reward.episodes):
+        assert trajectory.num_tool_calls == 2 and trajectory.answer == "Tares Brumin"
+        final_start = trajectory.turn_spans[-1][0]
+        assert prompt[: len(first)] == first
+        assert prompt[len(first) :] == trajectory.response_ids[:final_start]
+        whole = uncut.prompt_ids(qwen_tokenizer, AnswerRequest(HOP2.question, episode.turns))
+        sizes = [len(qwen_tokenizer.encode(t.result.text)) for t in episode.turns if t.result is not None]
+        assert len(sizes) == 2 and 31 < min(sizes) <= max(sizes) < 400
+        if max_obs_tokens < min(sizes):
+            assert len(whole) > len(prompt)  # uncut, the answerer read past what the planner saw
+        else:
+            assert whole == prompt
+
+
 # ------------------------------------------------------------------------------------------ frozen
 def test_the_answerer_is_loaded_once_frozen_and_no_weight_push_reaches_it():
     """The policy's engine and the answerer hold the same warm start; a push of trained weights (what LocalEngine does
@@ -156,6 +215,7 @@ def test_env_planner_composes_with_the_toy_default_and_its_weights_are_keys():
     answerer = reward.answerer
     assert isinstance(answerer, EngineAnswerer) and answerer.model_path == SHIPPED and answerer.factory.func is HFEngine
     assert (answerer.tag_format, answerer.max_turns, answerer.instruction) == ("searchr1", 3, None)
+    assert answerer.max_obs_tokens == cfg.rollout.agent.max_obs_tokens == 160  # results cut where the planner's were
     assert cfg.env.instruction is None  # the toy's default instruction: the one the warm start knows
     ask = OmegaConf.to_container(cfg.env.tools.ask.answerer, resolve=True)
     assert ask == OmegaConf.to_container(cfg.env.reward.answerer, resolve=True)  # the same answerer
@@ -163,6 +223,8 @@ def test_env_planner_composes_with_the_toy_default_and_its_weights_are_keys():
     swept = compose_config("train", ["env=planner", "env.reward.cost.search=0.3", "rollout.agent.max_turns=4"])
     built = instantiate(swept.env.reward)
     assert built.cost == Costs(0.3, 0.05) and built.answerer.max_turns == 4
+    cut = compose_config("train", ["env=planner", "rollout.agent.max_obs_tokens=40"])
+    assert instantiate(cut.env.reward).answerer.max_obs_tokens == 40
 
 
 def test_mistakes_name_the_key():
@@ -178,6 +240,8 @@ def test_mistakes_name_the_key():
         PlannerReward(ScriptedAnswerer(), credit="turn")
     with pytest.raises(ValueError, match=r"env\.reward\.answerer\.model_path"):
         EngineAnswerer()
+    with pytest.raises(ValueError, match=r"env\.reward\.answerer\.max_obs_tokens=0"):
+        EngineAnswerer(SHIPPED, max_obs_tokens=0)
 
 
 def test_turn_credit_with_the_planner_is_refused_when_composed_naming_both_keys():
