@@ -12,7 +12,8 @@ of its own) and add what a dspo sweep needs:
 - **local** (`LocalLauncher`): at most `parallel_jobs` jobs at once (default: one per core, never more jobs than
   cores), each pinned to its own share of this process's cores (CPU affinity, which dspo.runtime.thread_count turns
   into torch threads), so that jobs never oversubscribe the machine; one console line per job as its state changes
-  (queued, running step N/M, finished, failed); a failed job does not stop the others, and the sweep fails at the end.
+  (queued, running step N/M, finished, preempted, failed); a failed or preempted job does not stop the others, and the
+  sweep fails at the end.
 - **SLURM** (`SlurmLauncher`): submitit's job array (`conf/hydra/launcher/slurm.yaml` for the resources). The signal
   before the time limit is SIGUSR1, which dspo's preemption callback handles (save `last.ckpt` at the round's end,
   `scontrol requeue`): submitit's own SIGUSR2 handling is not used. A preempted job then waits to be killed by the
@@ -230,7 +231,10 @@ class JobLines:
 
     def ended(self, num: int, result: JobReturn) -> None:
         status = self._statuses().get(num, {})
-        if result.status == JobStatus.COMPLETED:
+        if status.get("state") == "preempted":  # not a result, whatever the job returned (dspo.sweep_job.RunPreempted)
+            at = f" at step {status.get('step')}/{status.get('max_steps')}" if status.get("step") is not None else ""
+            self.states[num] = f"preempted{at}: run the sweep again to resume it from its last.ckpt"
+        elif result.status == JobStatus.COMPLETED:
             self.states[num] = _finished(result.return_value)
         else:
             error = status.get("error") or _last_line(result._return_value)

@@ -39,7 +39,7 @@ from dspo.models.logprobs import masked_token_logprobs
 from dspo.models.lora import adapters_disabled, add_adapters, check_same_lora, is_adapter_key, lora_config
 from dspo.record import with_index
 from dspo.step_stats import MiniBatchStats
-from dspo.types import PolicyBatch
+from dspo.types import PolicyBatch, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,8 @@ class DSPOModule(pl.LightningModule):
         self.eval_metrics = nn.ModuleDict()
         self._skipped_in_a_row = 0
         self.weights_version = 0  # optimizer steps applied; the engine is re-synced whenever it moves
+        self.step_report: StepReport | None = None  # the last optimizer step, for the guard (dspo.guard)
+        self._checkpoint_lr: float | None = None  # optimizer.lr of the run a resumed checkpoint was written by
         # FSDP2 only: {"policy"|"reference": MaskedLogprobs root unit}, a plain dict so that they stay out of the
         # module tree (parameter names stay `policy.*`); see dspo.models.fsdp.shard_for_logprobs
         self._sharded_logprobs: dict[str, nn.Module] = {}
@@ -186,6 +188,24 @@ class DSPOModule(pl.LightningModule):
         if self.model_cfg.lora is not None:
             lora.check_same_base(checkpoint.get("dspo") or {}, self.model_cfg.path)
         self.weights_version = int(checkpoint.get("dspo", {}).get("weights_version", checkpoint.get("global_step", 0)))
+        saved_lr = ((checkpoint.get("hyper_parameters") or {}).get("optimizer") or {}).get("lr")
+        self._checkpoint_lr = float(saved_lr) if isinstance(saved_lr, int | float) else None
+
+    def on_train_start(self) -> None:
+        """A run resumed with another `optimizer.lr` trains at the new rate: Lightning restored the scheduler's base
+        rates (and the optimizer's current ones) from the checkpoint, which would ignore it. Both are scaled by
+        new / old, so a factor the guard applied (its backoffs) is kept."""
+        old, self._checkpoint_lr = self._checkpoint_lr, None
+        if old is None or old <= 0 or old == self.optim_cfg.lr:
+            return
+        factor = self.optim_cfg.lr / old
+        scheduler = self.lr_schedulers()
+        scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
+        for group in scheduler.optimizer.param_groups:
+            group["lr"] *= factor
+        log.warning(
+            "optimizer.lr changed on resume (%g -> %g): training goes on at the new rate", old, self.optim_cfg.lr
+        )
 
     # ----------------------------------------------------------------------------------------------- train
     def _logprobs(self, model: nn.Module, batch: PolicyBatch, with_entropy: bool = False):
@@ -228,11 +248,12 @@ class DSPOModule(pl.LightningModule):
         loss or gradient on any rank skips the step on every rank."""
         if not slot.micro_batches:
             raise RuntimeError("empty train batch: RolloutCallback must be in trainer.callbacks (conf/callbacks)")
+        self.step_report = None  # set by this step's update or skip
         if slot.round_batches:
             self._prepare_round(slot.round_batches)
         micro = [b.to(self.device) for b in slot.micro_batches]
         counts = self._counts(micro)
-        stats = MiniBatchStats(counts.sequences, counts.tokens, len(micro))
+        stats = MiniBatchStats(counts.sequences, counts.tokens, len(micro), counts.episodes)
         for batch in micro:
             loss, parts = self.micro_batch_loss(batch, counts)
             if not self._all_ranks_finite(loss):  # agreed before the backward's collectives (DDP, FSDP)
@@ -269,7 +290,7 @@ class DSPOModule(pl.LightningModule):
         logprobs, entropy = self._logprobs(self.policy, batch, with_entropy=True)
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         correction, mismatch = self._rollout_correction(old, batch)
-        loss, objective = self.algo.objective.loss(
+        loss, objective = self.algo.objective.compute(  # `episodes` reaches objectives that take them (one ratio each)
             logprobs,
             old,
             batch.advantages,
@@ -277,6 +298,7 @@ class DSPOModule(pl.LightningModule):
             self.algo.objective_settings,
             normalizer=counts.objective,
             weights=self._episode_share(correction, batch),
+            episodes=batch.episode_ids,
         )
         kl = torch.zeros((), device=self.device)
         if self.has_reference:
@@ -289,7 +311,9 @@ class DSPOModule(pl.LightningModule):
     def _episode_share(self, weights: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
         """A sequence-mean objective's weights [N, L] times each row's share of its episode's trained tokens
         (`PolicyBatch.sample_scale`), so that a split episode contributes what it would unsplit; a token mean weighs
-        every token once already."""
+        every token once already. The shares of an episode's rows add to 1: an objective with one ratio per episode
+        (dspo, gspo: `Objective.takes_episodes`) counts the episode's clipped term once, and grpo's per-row token mean
+        becomes the episode's token mean."""
         if self.algo.objective.normalizer_unit != "sequence" or batch.sample_scale is None:
             return weights
         return weights * batch.sample_scale.to(weights)[:, None]  # exact where the scale is 1: unsplit runs unchanged
@@ -307,6 +331,7 @@ class DSPOModule(pl.LightningModule):
 
     def _skip_step(self, slot: RoundSlot) -> None:
         self.optimizers().zero_grad(set_to_none=True)
+        self.step_report = StepReport(skipped=True)
         self._on_non_finite(slot)
 
     def _log_step(
@@ -329,6 +354,11 @@ class DSPOModule(pl.LightningModule):
         )
         self.log_dict(totals, on_step=True, prog_bar=False, batch_size=stats.num_sequences)
         self.log("reward", totals["train/reward_mean"], prog_bar=True, logger=False, batch_size=stats.num_sequences)
+        self.step_report = StepReport(
+            entropy=totals["train/entropy"],
+            response_tokens=totals["train/response_tokens_mean"],
+            grad_norm=totals["train/grad_norm"],
+        )
 
     def _all_ranks_finite(self, value: torch.Tensor) -> bool:
         """Whether `value` is finite on every rank. One rank deciding alone would skip a backward (or an optimizer

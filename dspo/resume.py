@@ -8,7 +8,10 @@ quietly before (issue 32), and what happens now:
   newest" could pick another experiment. Refused, naming the runs and how their settings differ, unless they differ
   only in keys that do not change what is trained (`RESUME_FREE_KEYS`).
 - `trainer.max_steps` at or below the checkpoint's step: nothing would be trained, the test rerun and `metrics.yaml`
-  rewritten. Refused before anything is written.
+  rewritten. Refused before anything is written, except for a run that trained all `trainer.max_steps` and then
+  stopped before it finished (preempted in its last round, killed during its test pass: its `status.json` is not
+  `finished`): that run is finished, with no training (the model exported, the test pass run, the status written), so
+  a job preempted at any step ends as an uninterrupted one does.
 - Hydra makes a fresh run folder for every command; when the run continues in its old folder, the fresh one would
   stay behind, empty but for Hydra's files. Its `.hydra/` moves into the resumed run (`.hydra/resume-<time>/`, the
   record of what this command changed), its log goes on in the run's `train.log`, and the folder is removed.
@@ -147,9 +150,30 @@ def resolve_ckpt_path(cfg: DictConfig, own_folder_only: bool = False) -> str | N
     return ckpt
 
 
+def unfinished_at_end(ckpt: str, max_steps: int) -> bool:
+    """Whether `ckpt` is at exactly `max_steps` of a run that stopped before it finished (its run folder's
+    `status.json` says preempted, failed or running): resuming it finishes that run without training."""
+    from dspo.sweep import read_status
+
+    path = Path(ckpt)
+    if path.parent.name != "checkpoints" or checkpoint_step(ckpt) != max_steps:
+        return False
+    status = read_status(path.parents[1])
+    return status is not None and status.get("state") in ("preempted", "failed", "running")
+
+
 def _refuse_nothing_to_train(cfg: DictConfig, ckpt: str) -> int:
     step = checkpoint_step(ckpt)
     max_steps = OmegaConf.select(cfg, "trainer.max_steps", default=-1)
+    if max_steps is not None and 0 <= int(max_steps) <= step and unfinished_at_end(ckpt, int(max_steps)):
+        log.warning(
+            "ckpt_path=%s: %s is at trainer.max_steps=%d and its run stopped before it finished; finishing it: no "
+            "training, the model exported and the test pass run",
+            cfg.ckpt_path,
+            ckpt,
+            step,
+        )
+        return step
     if max_steps is not None and 0 <= int(max_steps) <= step:
         raise ValueError(
             f"ckpt_path={cfg.ckpt_path}: {ckpt} is at step {step} and trainer.max_steps={max_steps}, so nothing would "

@@ -31,12 +31,20 @@ INCOMPLETE_STATES = ("failed", "preempted", "stopped")
 _ERROR_WORDS = ("Error", "Exception", "Killed", "CANCELLED", "DUE TO TIME LIMIT", "out of memory", "Traceback")
 
 
+# What a new state takes over from the previous file when not given: the job's identity and its progress (a failure
+# is reported at the last step a running state wrote). Outcomes (`error`, `metric`, `checkpoint`, ...) never carry over:
+# an attempt's error is not the next attempt's, nor a finished run's metric a later failure's.
+CARRIED_FIELDS = ("job_num", "step", "max_steps")
+
+
 def write_status(run_dir: str | Path, state: str, **fields: Any) -> None:
-    """Replace `run_dir/status.json` atomically (a reader never sees half a file), keeping the fields not given."""
+    """Replace `run_dir/status.json` atomically (a reader never sees half a file) with `state` and `fields`, plus the
+    `CARRIED_FIELDS` of the previous file that `fields` does not give."""
     path = Path(run_dir) / STATUS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     previous = read_status(path.parent) or {}
-    data = {**previous, **fields, "state": state, "updated": time.time()}
+    carried = {key: previous[key] for key in CARRIED_FIELDS if key in previous}
+    data = {**carried, **fields, "state": state, "updated": time.time()}
     partial = path.with_name(f".{STATUS_FILE}.{os.getpid()}")
     partial.write_text(json.dumps(data, default=str) + "\n")
     os.replace(partial, path)

@@ -17,6 +17,12 @@ from dspo.sweep import read_status, write_status
 log = logging.getLogger("dspo.train")
 
 
+class RunPreempted(RuntimeError):
+    """A sweep's job stopped by a preemption signal after saving `last.ckpt`: raised so that the sweeper does not take
+    the job's partial metric as its result (Hydra marks the job failed; Optuna does not score the trial; the local
+    launcher prints `preempted`). The job's `status.json` says `preempted`; run the sweep again to resume it."""
+
+
 def mean_over_seeds(cfg: DictConfig, run: Callable[[DictConfig], float | None]) -> float | None:
     """One run per seed of `trial_seeds`, each in `<output_dir>/seed<k>/`, one after another; returns the mean of
     their sweep metrics (runs that returned none left out; None if all did), so that a search trial is scored by
@@ -31,10 +37,13 @@ def mean_over_seeds(cfg: DictConfig, run: Callable[[DictConfig], float | None]) 
             one.output_dir = str(Path(str(cfg.output_dir)) / f"seed{seed}")
         try:
             values[seed] = run(one)
+        except RunPreempted:  # the requeued job resumes this seed
+            write_end(cfg, "preempted", error=f"seed {seed} preempted")
+            raise
         except BaseException as error:
             write_end(cfg, "failed", error=f"seed {seed}: {error_line(error)}")
             raise
-        if (read_status(one.output_dir) or {}).get("state") == "preempted":  # the requeued job resumes this seed
+        if (read_status(one.output_dir) or {}).get("state") == "preempted":  # outside a sweep: no exception
             write_end(cfg, "preempted", error=f"seed {seed} preempted")
             return None
     scored = [v for v in values.values() if v is not None]

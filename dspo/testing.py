@@ -323,7 +323,7 @@ def toy_run(
     `lora` is `model.lora` (e.g. `{"r": 4}`).
     """
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import Checkpoint
 
     from dspo.algorithms.config import AlgorithmConfig
     from dspo.callbacks.rollout_callback import RolloutCallback
@@ -359,7 +359,7 @@ def toy_run(
         max_steps=max_steps,
         callbacks=[callback, *callbacks],
         logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
@@ -476,3 +476,28 @@ def two_role_agent(engine=None, tokenizer=None, env=None):
 
     roles = [Role("proposer", scripted_agent), Role("solver", scripted_agent, derive=scripted_proposals)]
     return RoleAgent(engine, tokenizer, env, roles, settle=FailureRateReward())
+
+
+def signal_at_step(step: int, name: str = "SIGUSR1"):
+    """A Lightning callback that sends this process the signal `name` at the end of optimizer step `step`, as a
+    scheduler preempting the run would (`+callbacks.preempt._target_=dspo.testing.signal_at_step
+    +callbacks.preempt.step=N`; tests/test_preempt_every_step.py)."""
+    import os
+    import signal
+
+    import lightning.pytorch as pl
+
+    class SignalAtStep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == step:
+                os.kill(os.getpid(), getattr(signal, name))
+
+    return SignalAtStep()
+
+
+def examples(n: int) -> int:
+    """A property test's hypothesis examples: `n`, or a tenth of it (at least 10) under `DSPO_MUTATION=1`, where
+    `make mutation` runs the test once per mutant (docs/testing.md#mutation-score)."""
+    import os
+
+    return max(10, n // 10) if os.environ.get("DSPO_MUTATION") == "1" else n

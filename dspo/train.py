@@ -41,7 +41,11 @@ def check_round_alignment(cfg: DictConfig) -> None:
 
 
 def prepare(cfg: DictConfig) -> None:
-    """Run the `prepare` steps (build the toy world, tokenizer, warm-started model, ...): each is cached."""
+    """Run the `prepare` steps (build the toy world, tokenizer, warm-started model, ...): each is cached.
+
+    Every rank runs this (Lightning's launcher re-runs the command for ranks 1..n). The steps lock each folder they
+    build (`dspo.cachedir.build_lock`, not one lock around this loop: the BM25 index is also built outside `prepare`,
+    by whichever process loads it first), so one process builds a folder and the others adopt it."""
     for name, step in (cfg.get("prepare") or {}).items():
         if "_target_" not in step:  # an environment's tuning of a step this run lacks (env=goal_reflect's toy warm
             log.info("prepare: %s names no _target_ (prepare=none here): skipped", name)  # start under prepare=none)
@@ -111,6 +115,8 @@ def train(cfg: DictConfig) -> float | None:
         configure_threads(local_processes=local_processes(cfg))
         try:
             return _train(cfg)
+        except sweep_job.RunPreempted:  # its status.json says preempted already
+            raise
         except BaseException as error:  # the sweep's report names the failed job with this line (dspo.sweep)
             sweep_job.write_end(cfg, "failed", error=sweep_job.error_line(error))
             raise
@@ -140,6 +146,11 @@ def _train(cfg: DictConfig) -> float | None:
             "stopped by a preemption signal at step %d; resume with ckpt_path=last (%s)", trainer.global_step, saved
         )
         sweep_job.write_end(cfg, "preempted", step=trainer.global_step, max_steps=trainer.max_steps, checkpoint=saved)
+        if sweep_job.in_sweep():  # a partial metric is no result: the sweeper must not score or report it finished
+            raise sweep_job.RunPreempted(
+                f"{cfg.output_dir}: preempted at step {trainer.global_step}/{trainer.max_steps} after saving {saved}; "
+                "run the sweep command again to resume it (its jobs continue with ckpt_path=auto)"
+            )
         return metrics.get(cfg.sweep_metric)
     if cfg.run_test and datamodule.test_files:
         for result in trainer.test(module, datamodule=datamodule, verbose=False):

@@ -254,3 +254,48 @@ class PolicyBatch:
             for name, value in self.__dict__.items()
         }
         return PolicyBatch(**moved)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What sampling one round showed, for what watches the run (the guard, `dspo.guard`): made by the round producer
+    when the round is taken, carried by the round's first `RoundSlot`. Field names are the contract; a watcher never
+    reads logger keys, so renaming a logged tag cannot silently turn a detector off."""
+
+    round_index: int
+    sampled_reward: float  # mean reward of every sampled episode, filtered-out groups included
+    truncated_share: float  # episodes that ran out of turns or tokens before an answer
+    no_search_share: float  # episodes that answered without a tool call
+    searched_reward: float  # mean reward of the episodes that called a tool
+    # policy versions (completed rounds) of the weights that sampled the round's trained tokens: equal at
+    # max_staleness 0 (= round_index); older at k >= 1; a span with partial rollouts (an episode over several weights)
+    oldest_version: int
+    newest_version: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.oldest_version <= self.newest_version <= self.round_index:
+            raise ValueError(
+                f"RoundReport of round {self.round_index}: sampled by versions {self.oldest_version}.."
+                f"{self.newest_version}, outside 0 <= oldest <= newest <= round (a bug in dspo; please report it)"
+            )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step as the module saw it, for what watches the run (the guard). A skipped step (non-finite loss
+    or gradient) has no numbers."""
+
+    skipped: bool = False
+    entropy: float | None = None  # mean token entropy of the step's trained tokens
+    response_tokens: float | None = None  # mean trained tokens per episode
+    grad_norm: float | None = None  # before clipping
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A round checkpoint as the guard knows it (`RoundCheckpoint.newest`): the policy version its weights are (rounds
+    completed when it was saved: the version of the rounds they sample), the global step it was saved at, its file."""
+
+    version: int
+    step: int
+    path: str

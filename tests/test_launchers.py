@@ -131,3 +131,28 @@ def test_console_lines_follow_each_jobs_status_and_print_only_changes(tmp_path, 
         "[sweep] job 0 (0_dspo_seed0): finished (0.5000)",
         "[sweep] job 1 (1/seed0): failed: RuntimeError: CUDA error: out of memory",
     ]
+
+
+@pytest.mark.parametrize("returned", ["completed", "raised"])
+def test_a_preempted_job_is_reported_preempted_whatever_it_returned(tmp_path, capsys, returned) -> None:
+    """Issue 70 (5): a preempted job returned its partial metric and the local launcher printed "finished". Its
+    status.json decides the line: `preempted`, whether the job returned a value (a run outside dspo-train's raise) or
+    raised `RunPreempted` (a dspo-train sweep job)."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from dspo.launchers import JobLines, failed_return
+    from dspo.sweep import write_status
+    from dspo.sweep_job import RunPreempted
+
+    lines = JobLines(tmp_path, [0])
+    lines.started(0)
+    write_status(tmp_path / "0_dspo_seed0", "preempted", step=6, max_steps=8, job_num=0, checkpoint="last.ckpt")
+    result = JobReturn(status=JobStatus.COMPLETED)
+    result.return_value = 0.25
+    if returned == "raised":
+        result = failed_return(["seed=0"], RunPreempted("preempted at step 6/8"))
+    lines.ended(0, result)
+    lines.show()
+    assert capsys.readouterr().out.splitlines() == [
+        "[sweep] job 0 (0_dspo_seed0): preempted at step 6/8: run the sweep again to resume it from its last.ckpt"
+    ]

@@ -362,6 +362,77 @@ def test_rollout_correction_weights_the_gradient_and_mismatch_is_the_minibatch_t
     assert logged["loss/ratio_mean"] == pytest.approx(1.0) and logged["loss/clipfrac"] == 0.0
 
 
+def _episodes_group(lengths, rewards, item):
+    """A group of episodes with one environment token each (position 2 of the response, never trained)."""
+    from dspo.types import QAItem, RolloutGroup, Trajectory
+
+    trajectories = []
+    for k, (n, reward) in enumerate(zip(lengths, rewards)):
+        response = [3 + (5 * k + 3 * i) % 40 for i in range(n)]
+        mask = [0 if i == 2 else 1 for i in range(n)]
+        trajectories.append(Trajectory([1, 4, 5], response, mask, [-1.0 if m else 0.0 for m in mask], reward))
+    return RolloutGroup(QAItem(item, "question", ["a"]), trajectories)
+
+
+def _off_policy_step(lm_dir, groups, loss_name):
+    """The mini-batch's loss, gradient and counts through `micro_batch_loss`, with old logprobs off the current ones:
+    token t of episode e moved by ∓d_e (+ before response position 4, − after: a sample cut there has a ratio of its
+    own above or below the clip range), and engine logprobs off the old ones (per-episode seq_tis weights). Both depend
+    on the episode and the token's position only, which a split keeps (each sample's context is the earlier one
+    extended). Also returns how many rows a per-sample ratio would clip differently from their episode's."""
+    from dspo.algorithms.blocks import clipped_surrogate, episode_ratio, masked_log_ratio, sequence_ratio
+    from dspo.algorithms.config import AlgorithmConfig
+    from dspo.data.buffer import build_round
+    from dspo.models import ModelConfig
+    from dspo.module import OptimizerConfig
+
+    clip = {"clip_low": 3e-4, "clip_high": 4e-4}  # dspo's, for all four: grpo's and dapo's tokens clip too
+    algo = AlgorithmConfig(group_size=4, batch_groups=len(groups), loss=loss_name, loss_kwargs=clip, micro_batch_size=3)
+    module = DSPOModule(ModelConfig(path=lm_dir), algo, OptimizerConfig())
+    module.configure_model()
+    micro = build_round(groups, 1, 3, pad_token_id=0, policy_version=0, seed=0).minibatches[0]
+    counts = module._counts(micro)
+    total, differ = 0.0, 0
+    for batch in micro:
+        with torch.no_grad():
+            current = module._logprobs(module.policy, batch)[0]
+        position = torch.arange(batch.input_ids.shape[1]).float()
+        size = 1e-3 * (1 + 0.25 * (batch.episode_ids % 4)).float()[:, None]
+        batch.old_logprobs = (current - torch.where(position < 7, size, -size)) * batch.loss_mask
+        wobble = 0.05 * torch.cos(position + 3 * batch.episode_ids[:, None])
+        batch.engine_logprobs = (batch.old_logprobs + wobble) * batch.loss_mask
+        delta, mask = masked_log_ratio(current, batch.old_logprobs, batch.loss_mask)
+        per_row = clipped_surrogate(sequence_ratio(delta, mask)[0], batch.advantages, 3e-4, 4e-4)[1]
+        per_episode = clipped_surrogate(episode_ratio(delta, mask, batch.episode_ids)[0], batch.advantages, 3e-4, 4e-4)
+        differ += int((per_row != per_episode[1]).sum())
+        value, _ = module.micro_batch_loss(batch, counts)
+        value.backward()
+        total += float(value.detach())
+    grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+    return grads, total, counts, differ
+
+
+@pytest.mark.parametrize("loss_name", ["dspo", "gspo", "grpo", "dapo"])
+def test_split_episodes_train_as_unsplit_off_policy_through_the_module(lm_dir, loss_name):
+    """Issue 70, item 3: episodes cut into 2 to 4 samples (`Trajectory.segments`, expanded by `build_round` and
+    collated by `collate_trajectories`) give the parameters the gradient and the loss of the same episodes unsplit,
+    with old logprobs off the current ones (an off-policy mini-batch) and per-episode correction weights. Per-sample
+    ratios (before issue 70) clipped the samples on their own: dspo's and gspo's gradients differed."""
+    from dspo.testing import split_episode
+
+    groups = [_episodes_group((9, 6, 7, 5), (1, 1, 0, 0), "q"), _episodes_group((4, 8, 6, 7), (0, 1, 0, 1), "r")]
+    whole, whole_loss, whole_counts, _ = _off_policy_step(lm_dir, groups, loss_name)
+    for group, pieces in zip(groups, ({0: 3, 3: 2}, {1: 2, 2: 4})):
+        group.trajectories = [split_episode(t, pieces.get(i, 1)) for i, t in enumerate(group.trajectories)]
+    split, split_loss, split_counts, differ = _off_policy_step(lm_dir, groups, loss_name)
+    assert whole_counts.episodes == split_counts.episodes == 8 and split_counts.sequences == 8 + 2 + 1 + 1 + 3
+    assert differ > 0  # some sample's own ratio would be clipped where its episode's is not, or the reverse
+    assert split_loss == pytest.approx(whole_loss, abs=1e-6)
+    assert max(float(g.abs().max()) for g in whole.values()) > 1e-3  # the comparison is not between zeros
+    for name, grad in whole.items():
+        torch.testing.assert_close(split[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_token_means_use_the_token_count_of_all_ranks(lm_dir, tmp_path, monkeypatch):
     """dapo with a world of 2 ranks that hold the same data (strategy.reduce sums the two counts): the token count is
     reduced once per step with "sum", and the gradient equals the single-process one (global tokens / ranks, which

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspo import sweep
 
@@ -68,6 +70,34 @@ def test_write_status_keeps_earlier_fields_and_replaces_atomically(tmp_path) -> 
     status = sweep.read_status(tmp_path)
     assert status["state"] == "finished" and status["job_num"] == 3 and status["metric"] == 0.25
     assert [p.name for p in tmp_path.iterdir()] == [sweep.STATUS_FILE]  # no partial file left behind
+
+
+# a status write of each kind dspo makes, with the fields it gives (dspo.train, dspo.sweep_job, RunStatus)
+_WRITES = {
+    "running": lambda n: {"step": n, "max_steps": 8, "job_num": 1, "pid": 100 + n, "cores": [0]},
+    "preempted": lambda n: {"step": n, "max_steps": 8, "checkpoint": f"/ckpt/{n}"},
+    "failed": lambda n: {"error": f"RuntimeError: attempt {n}"},
+    "finished": lambda n: {"step": 8, "max_steps": 8, "metric": n / 10},
+}
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(sorted(_WRITES)), st.integers(0, 8)), min_size=1, max_size=8))
+def test_a_status_write_never_carries_an_earlier_outcome(writes) -> None:
+    """Issue 70 (5): "preempted at step 60: RuntimeError: retriever unreachable" from an earlier attempt. For any
+    sequence of writes, the file holds the last write's own fields, plus only the job's number and progress from
+    before: never an earlier error, metric, checkpoint or process."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        carried: dict = {}
+        for state, n in writes:
+            fields = _WRITES[state](n)
+            sweep.write_status(folder, state, **fields)
+            expected = {**{k: v for k, v in carried.items() if k in sweep.CARRIED_FIELDS}, **fields, "state": state}
+            status = sweep.read_status(folder)
+            assert {k: v for k, v in status.items() if k != "updated"} == expected
+            carried = status
 
 
 def test_finished_result_skips_only_a_run_that_finished_as_far_as_asked(tmp_path) -> None:

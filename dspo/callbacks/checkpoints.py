@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+
+from dspo.types import SavedCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +58,9 @@ class RoundCheckpoint(ModelCheckpoint):
                 f"callbacks.checkpoint.keep_last must be -1 (all), 0 (only last.ckpt) or more, got {keep_last}"
             )
         self.every_n_rounds, self.steps_per_round = every_n_rounds, steps_per_round
-        self.newest: tuple[int, str] | None = None  # (global step, file) of the newest round checkpoint
-        self.kept: dict[
-            str, str
-        ] = {}  # role -> file the guard keeps (`keep`: healthy, best): never removed by keep_last
+        self.newest: SavedCheckpoint | None = None  # the newest round checkpoint: its policy version, step, file
+        # role -> file the guard keeps (`keep`: healthy, best, one awaiting judgement): never removed by keep_last
+        self.kept: dict[str, str] = {}
         super().__init__(
             dirpath=dirpath,
             filename=filename,
@@ -91,8 +92,10 @@ class RoundCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
-        # keep_last=0 keeps only last.ckpt, which the next round overwrites: `keep` copies it then
-        self.newest = (trainer.global_step, self.best_model_path or self.last_model_path)
+        # keep_last=0 keeps only last.ckpt, which the next round overwrites: `keep` copies it then. Its weights are
+        # policy version round_index + 1 (rounds completed): the version the rounds they sample carry
+        path = self.best_model_path or self.last_model_path
+        self.newest = SavedCheckpoint(version=round_index + 1, step=trainer.global_step, path=path)
 
     def keep(self, trainer: pl.Trainer, path: str, role: str = "healthy") -> str:
         """Keep `path` as the guard's `role` checkpoint (`healthy`: the newest with no detector firing since; `best`:
@@ -111,6 +114,14 @@ class RoundCheckpoint(ModelCheckpoint):
         if stale and Path(previous).name != f"{role}.ckpt":
             self._remove_checkpoint(trainer, previous)  # the strategy removes it on rank 0 only
         return path
+
+    def release(self, trainer: pl.Trainer, role: str) -> None:
+        """The guard no longer needs its `role` checkpoint: its file is removed unless another role, `keep_last` or
+        `last.ckpt` still holds it."""
+        path = self.kept.pop(role, None)
+        if path is None or path in self.kept.values() or path in self.best_k_models or path == self.last_model_path:
+            return
+        self._remove_checkpoint(trainer, path)
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if filepath in self.kept.values():  # a rollback target outlives keep_last
@@ -141,8 +152,12 @@ def round_position(batch: Any) -> tuple[int, int] | None:
 _SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2, "SIGINT": signal.SIGINT}
 
 
-class PreemptionCheckpoint(pl.Callback):
+class PreemptionCheckpoint(Checkpoint):
     """Save `last.ckpt` at the next round boundary after one of `signals`, then stop the run cleanly.
+
+    A `Checkpoint` (Lightning's base of checkpoint callbacks, no behaviour of its own) so that Lightning runs it after
+    every other callback's hook, whatever order the config lists them in: in a round where the guard rolls back, the
+    save holds the restored weights `guard.jsonl` names, not the ones rolled back from.
 
     Args:
         dirpath: checkpoint folder (the same as the round checkpoints', so `ckpt_path=last` finds it).

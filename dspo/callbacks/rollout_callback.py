@@ -165,6 +165,7 @@ class RolloutCallback(pl.Callback):
         self.producer = RoundProducer(spec, engine_cores, engine_threads, devices)
         self.algo, self.max_staleness = algorithm, spec.max_staleness
         self.sample_every_n_rounds, self.export_dir = sample_every_n_rounds, export_dir
+        self.exported_to: str | None = None  # the model folder `export` wrote
         self._predictions: list = []  # test-set predictions, written at on_test_end
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -221,6 +222,18 @@ class RolloutCallback(pl.Callback):
         experiment.add_text("rollout/sample", "\n".join(lines), global_step=trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.export(trainer, pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit resumed from a checkpoint at `trainer.max_steps` trains nothing and Lightning skips `on_train_end`
+        (dspo.resume: a run preempted in its last round is finished so): the restored policy is exported here."""
+        from dspo.callbacks.checkpoints import preempted
+
+        if self.exported_to is None and not preempted(trainer):
+            self.export(trainer, pl_module)
+
+    def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The trained policy (and its tokenizer, run record, LoRA adapter) as a model folder, `<run dir>/model`."""
         from dspo.callbacks.checkpoints import preempted
 
         if preempted(trainer):  # the grace period is for the checkpoint; the run continues elsewhere, export then

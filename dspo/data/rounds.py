@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspo.types import PolicyBatch, QAItem
+from dspo.types import PolicyBatch, QAItem, RoundReport
 
 
 @dataclass
@@ -20,6 +20,7 @@ class RoundSlot:
     round_batches: list[PolicyBatch] = field(default_factory=list)  # whole round, set on its first step only
     round_index: int = -1
     minibatch_index: int = -1
+    report: RoundReport | None = None  # what sampling the round showed, set on its first step only (the guard reads it)
 
 
 @dataclass

@@ -9,10 +9,12 @@ logged as `guard/<name>`, with `guard/rollbacks` and `guard/lr_scale`. When one 
   (`dspo.guard.rollback`); the sampler and RNG move on, so no prompt is replayed;
 - stop: the run ends with `GuardStop` (non-zero exit), as does a rollback beyond `max_rollbacks`.
 
-Healthy: a round's data is sampled by the weights of the previous checkpoint, so a checkpoint becomes healthy when a
-later round ends with no detector firing (or suspecting the round, `Verdict.suspect`) since it was saved (a validation
-after it included). The guard evaluates
-before the round's checkpoint is written (Lightning runs checkpoint callbacks last), so that checkpoint holds the
+Healthy (`dspo.guard.health`): a checkpoint's weights are judged by the rounds they sampled, whatever
+`rollout.max_staleness` is; the round's typed `RoundReport` (made by the round producer) carries its sampling versions,
+and the module's `StepReport` each step's numbers: the guard reads no logger keys. A backoff (a rollback with nothing
+healthy to go to, e.g. before the first checkpoint) counts as a rollback: the rate never falls below
+`backoff ** max_rollbacks` of its start before the run stops. The guard evaluates before the round's checkpoint is
+written (Lightning runs checkpoint callbacks last, the preemption save included), so that checkpoint holds the
 restored weights after a rollback. With several ranks, rank 0's verdict is broadcast and every rank acts on it.
 The run's last validation is read at once (no round follows it): a rollback asked for there ends the run on the
 restored weights. The guard only reads unless it fires: a run where nothing fires trains exactly as without it.
@@ -32,7 +34,9 @@ import lightning.pytorch as pl
 
 from dspo.callbacks.checkpoints import RoundCheckpoint, round_position
 from dspo.guard.detectors import RoundSignals, Verdict, build_detectors
+from dspo.guard.health import HealthLedger
 from dspo.guard.rollback import restore, set_lr_scale
+from dspo.types import RoundReport, SavedCheckpoint, StepReport
 
 log = logging.getLogger("dspo.guard")
 
@@ -61,7 +65,7 @@ class GuardEvent:
     step: int
     round_index: int
     detectors: dict[str, dict[str, Any]]  # name -> {"score", "reason", "action"}
-    action: str  # warn | rollback | backoff (no healthy checkpoint yet: the rate only) | stop
+    action: str  # warn | rollback | backoff (nothing healthy to go to: the rate only; counts as a rollback) | stop
     rollbacks: int
     lr_scale: float
     restored_from: str | None = None
@@ -73,8 +77,8 @@ class Guard(pl.Callback):
     """Args:
     enabled: false turns the guard off (no detector, no `guard/*` tag, no file).
     detectors: name -> settings (`dspo.guard.detectors.DETECTORS`; null turns one off); every detector by default.
-    backoff: the learning rate is multiplied by it at each rollback (0 < backoff <= 1).
-    max_rollbacks: a rollback asked for after this many stops the run instead.
+    backoff: the learning rate is multiplied by it at each rollback or backoff (0 < backoff <= 1).
+    max_rollbacks: rollbacks and backoffs allowed; one more asked for stops the run instead.
     steps_per_round: M (algorithm.num_minibatches): the guard evaluates at the round's last mini-batch.
     steady_validation: false when the environment's validation moves with the step (`env.steady_validation`:
         env=simulated's noise curriculum): `val_drop` is off and no best-validation checkpoint is kept.
@@ -102,21 +106,33 @@ class Guard(pl.Callback):
         if enabled and not steady_validation and self.detectors.pop("val_drop", None) is not None:
             log.info("guard: val_drop off: the environment's validation moves with the step (env.steady_validation)")
         self.rollbacks, self.lr_scale = 0, 1.0
-        self.healthy: str | None = None  # the newest healthy checkpoint (the rollback target)
-        self._healthy_at = -1  # the step of `healthy`
-        self.best: str | None = None  # the checkpoint of the best validation (val_drop's target), when one was saved
+        self.ledger = HealthLedger()  # waiting and healthy checkpoints by policy version (dspo.guard.health)
+        self.best: SavedCheckpoint | None = None  # the checkpoint of the best validation (val_drop's target)
         self.best_validation = float("-inf")
-        self.last_fire_step = -1  # a checkpoint saved before this step is not healthy
         self.events: list[GuardEvent] = []
-        self._round: dict[str, list[float]] = {}
+        self._steps: list[StepReport] = []
+        self._report: RoundReport | None = None
         self._validation: float | None = None
         self._validation_noise: float | None = None
 
+    @property
+    def healthy(self) -> str | None:
+        """The newest healthy checkpoint's file (the rollback target), None before the first."""
+        return self.ledger.healthy.path if self.ledger.healthy else None
+
     # ------------------------------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.enabled:
+            return
+        if not hasattr(pl_module, "step_report"):
+            raise ValueError(
+                f"guard: {type(pl_module).__name__} reports no steps (a `step_report` attribute, dspo.types.StepReport"
+                "): the guard cannot watch this module. Use dspo.module.DSPOModule, or turn the guard off with "
+                "guard.enabled=false"
+            )
         checkpoint = self._checkpoint(trainer)
-        if self.enabled and checkpoint is not None:  # resumed: protect the targets again
-            checkpoint.kept = {role: path for role, path in (("healthy", self.healthy), ("best", self.best)) if path}
+        if checkpoint is not None:  # resumed: protect the targets and the checkpoints awaiting judgement again
+            checkpoint.kept = {role: c.path for role, c in self._roles().items()}
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = trainer.callback_metrics.get("val/subem_mean")
@@ -133,55 +149,67 @@ class Guard(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if not self.enabled:
             return
-        self._collect_step(trainer, pl_module)
+        self._steps.append(pl_module.step_report)
+        if getattr(batch, "report", None) is not None:  # the round's first slot carries its report
+            self._report = batch.report
         position = round_position(batch)
         minibatch = position[1] if position is not None else trainer.global_step - 1
         if minibatch % self.steps_per_round != self.steps_per_round - 1:
             return
-        round_index = position[0] if position is not None else trainer.global_step // self.steps_per_round
-        signals = self._signals(trainer, round_index)
+        report, self._report = self._report, None
+        if report is None:
+            raise RuntimeError(
+                f"guard: a round ended at step {trainer.global_step} without its RoundReport: the guard needs dspo's "
+                "round slots (callbacks.rollout: dspo.callbacks.rollout_callback.RolloutCallback). Turn the guard off "
+                "with guard.enabled=false to train without them"
+            )
+        self._judge_round(trainer, pl_module, report)
+
+    # ------------------------------------------------------------------------------------------ the round
+    def _judge_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: RoundReport) -> None:
+        """Detectors on the round's signals; the checkpoint ledger moved by the verdict; the action taken."""
+        signals = self._signals(trainer, report)
         verdicts = {name: detector.observe(signals) for name, detector in self.detectors.items()}
         fired, suspect = self._agreed(trainer, verdicts)
         self._log(pl_module, verdicts)
-        action = self._act(trainer, pl_module, signals, fired) if fired else None
-        if action in (None, "warn") and not suspect:  # a warning is a sign, not damage
-            self._promote(trainer)
+        self._register_newest(trainer)
+        severe = {n: v for n, v in fired.items() if self.detectors[n].settings.action != "warn"}
+        if severe or suspect:  # a warning is a sign, not damage: its round still vouches for its weights
+            bad = max(report.newest_version, report.round_index if "val_drop" in severe else -1)
+            self._release(trainer, self.ledger.bad(bad))
+        else:
+            promoted, judged = self.ledger.clean(report.oldest_version)
+            if promoted is not None:  # kept as healthy first, so that releasing its waiting role keeps the file
+                self._keep(trainer, promoted, "healthy")
+            self._release(trainer, judged)
+        if fired:
+            round_bound = report.oldest_version if set(severe) - {"val_drop"} else None
+            self._act(trainer, pl_module, report.round_index, fired, round_bound)
+        self._protect_waiting(trainer)
 
-    # ------------------------------------------------------------------------------------------ signals
-    def _collect_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """One optimizer step's train numbers (a skipped step logs none: it is counted instead)."""
-        if getattr(pl_module, "_skipped_in_a_row", 0) > 0:
-            self._round.setdefault("skipped", []).append(1.0)
-            return
-        for key in ("train/entropy", "train/response_tokens_mean", "train/grad_norm"):
-            value = trainer.callback_metrics.get(key)
-            if value is not None:
-                self._round.setdefault(key, []).append(float(value))
+    def _signals(self, trainer: pl.Trainer, report: RoundReport) -> RoundSignals:
+        steps, self._steps = [s for s in self._steps if s is not None], []
+        trained = [s for s in steps if not s.skipped]
 
-    def _signals(self, trainer: pl.Trainer, round_index: int) -> RoundSignals:
-        metrics, steps = trainer.callback_metrics, self._round
-        self._round = {}
+        def mean(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return sum(present) / len(present) if present else None
 
-        def logged(key: str) -> float | None:
-            return float(metrics[key]) if key in metrics else None
-
-        def mean(key: str) -> float | None:
-            return sum(steps[key]) / len(steps[key]) if steps.get(key) else None
-
+        norms = [s.grad_norm for s in trained if s.grad_norm is not None]
         validation, self._validation = self._validation, None
         return RoundSignals(
-            round_index=round_index,
+            round_index=report.round_index,
             step=trainer.global_step,
-            sampled_reward=logged("rollout/sampled_reward_mean"),
-            entropy=mean("train/entropy"),
-            response_tokens=mean("train/response_tokens_mean"),
-            truncated_share=logged("rollout/truncated_share"),
-            grad_norm=max(steps["train/grad_norm"]) if steps.get("train/grad_norm") else None,
-            no_search_share=logged("rollout/no_search_share"),
-            searched_reward=logged("rollout/searched_reward_mean"),
+            sampled_reward=report.sampled_reward,
+            entropy=mean([s.entropy for s in trained]),
+            response_tokens=mean([s.response_tokens for s in trained]),
+            truncated_share=report.truncated_share,
+            grad_norm=max(norms) if norms else None,
+            no_search_share=report.no_search_share,
+            searched_reward=report.searched_reward,
             validation=validation,
             validation_noise=self._validation_noise,
-            skipped_steps=len(steps.get("skipped", [])),
+            skipped_steps=len(steps) - len(trained),
         )
 
     def _agreed(self, trainer: pl.Trainer, verdicts: dict[str, Verdict]) -> tuple[dict[str, Verdict], bool]:
@@ -189,7 +217,7 @@ class Guard(pl.Callback):
         them, on every rank: the ranks' own numbers differ (each logs its share of the round), and a rollback or a
         stop that only some ranks took would leave the others waiting in a collective."""
         fired = {n: v for n, v in verdicts.items() if v.fired}
-        suspect = any(v.suspect for v in verdicts.values())  # a firing is acted on: a warning leaves it healthy
+        suspect = any(v.suspect for v in verdicts.values())
         if trainer.world_size == 1:
             return fired, suspect
         shared = {n: (v.score, v.reason) for n, v in fired.items()}
@@ -211,15 +239,15 @@ class Guard(pl.Callback):
         verdicts = {name: detector.observe(signals) for name, detector in self.detectors.items()}
         fired, _ = self._agreed(trainer, verdicts)
         severe = {n: v for n, v in fired.items() if self.detectors[n].settings.action != "warn"}
-        target = self._target(severe)
+        target = self._target(severe, None)
         if target is None:
             return
         self.rollbacks += 1
-        restore(trainer, pl_module, target, self.lr_scale)
+        restore(trainer, pl_module, target.path, self.lr_scale)
         actions = {n: self.detectors[n].settings.action for n in severe}
         detail = {n: {"score": v.score, "reason": v.reason, "action": actions[n]} for n, v in severe.items()}
         event = GuardEvent(
-            trainer.global_step, -1, detail, "rollback", self.rollbacks, self.lr_scale, target, time.time(), True
+            trainer.global_step, -1, detail, "rollback", self.rollbacks, self.lr_scale, target.path, time.time(), True
         )
         self._record(trainer, event)
         checkpoint = self._checkpoint(trainer)
@@ -227,41 +255,37 @@ class Guard(pl.Callback):
             trainer.save_checkpoint(checkpoint.last_model_path, weights_only=False)  # full: optimizer + loops
 
     # ------------------------------------------------------------------------------------------ actions
-    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: RoundSignals, fired) -> str:
-        """Take the most severe action of the detectors that fired; returns what was done."""
+    def _act(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, round_index: int, fired, bound: int | None
+    ) -> str:
+        """Take the most severe action of the detectors that fired; returns what was done. A rollback goes to a
+        checkpoint older than `bound` (the bad round's oldest sampling weights; None: no round bound); with none, the
+        rate alone is lowered (backoff). Both count toward `max_rollbacks`, and the detectors start over."""
         actions = {name: self.detectors[name].settings.action for name in fired}
         action = max(actions.values(), key=SEVERITY.__getitem__)
-        if action != "warn":
-            self.last_fire_step = trainer.global_step
         restored = None
         if action == "rollback" and self.rollbacks >= self.max_rollbacks:
             action = "stop"
-        elif action == "rollback" and self._target(fired) is None:
-            action = "backoff"  # nothing healthy saved yet: a smaller step is all there is to do
-            self.lr_scale *= self.backoff
-            set_lr_scale(pl_module, self.lr_scale)
         elif action == "rollback":
             self.rollbacks += 1
             self.lr_scale *= self.backoff
-            restored = self._target(fired)
-            restore(trainer, pl_module, restored, self.lr_scale)
-            for detector in self.detectors.values():  # their trends restart from the restored policy's rounds
+            target = self._target(fired, bound)
+            if target is None:
+                action = "backoff"  # nothing healthy to go back to: a smaller step is all there is to do
+                set_lr_scale(pl_module, self.lr_scale)
+            else:
+                restored = target.path
+                restore(trainer, pl_module, restored, self.lr_scale)
+            for detector in self.detectors.values():  # their trends restart from the restored (or slowed) policy
                 detector.after_rollback()
         detail = {n: {"score": v.score, "reason": v.reason, "action": actions[n]} for n, v in fired.items()}
         event = GuardEvent(
-            trainer.global_step,
-            signals.round_index,
-            detail,
-            action,
-            self.rollbacks,
-            self.lr_scale,
-            restored,
-            time.time(),
+            trainer.global_step, round_index, detail, action, self.rollbacks, self.lr_scale, restored, time.time()
         )
         self._record(trainer, event)
         if action == "stop":
             raise GuardStop(
-                f"guard stopped the run at step {trainer.global_step} (round {signals.round_index}): "
+                f"guard stopped the run at step {trainer.global_step} (round {round_index}): "
                 + "; ".join(f"{n}: {v.reason}" for n, v in fired.items())
                 + f". Rollbacks so far: {self.rollbacks} (guard.max_rollbacks={self.max_rollbacks}); events in "
                 f"{Path(trainer.default_root_dir) / 'guard.jsonl'}. Lower optimizer.lr, or turn the guard off with "
@@ -269,13 +293,15 @@ class Guard(pl.Callback):
             )
         return action
 
-    def _target(self, fired: dict[str, Verdict]) -> str | None:
+    def _target(self, fired: dict[str, Verdict], bound: int | None) -> SavedCheckpoint | None:
         """Where a rollback goes: for a validation drop, the checkpoint of the best validation (the newest healthy
         one can already be rounds into a slow decline that validation, not the round signals, saw); else, and when
-        no validated checkpoint was kept, the newest healthy checkpoint. None: nothing to go back to."""
+        no validated checkpoint was kept, the newest healthy checkpoint; either only if older than `bound`. None:
+        nothing to go back to."""
         if not fired:
             return None
-        return self.best if "val_drop" in fired and self.best else self.healthy
+        best = self.best if self.best and (bound is None or self.best.version < bound) else None
+        return best if "val_drop" in fired and best else self.ledger.target(bound)
 
     def _record(self, trainer: pl.Trainer, event: GuardEvent) -> None:
         """The console line and the `guard.jsonl` entry (rank 0)."""
@@ -300,15 +326,45 @@ class Guard(pl.Callback):
         with path.open("a") as handle:
             handle.write(json.dumps(asdict(event)) + "\n")
 
-    def _promote(self, trainer: pl.Trainer) -> None:
-        """A clean round: the newest checkpoint saved after the last firing becomes the healthy one."""
+    # ------------------------------------------------------------------------------------------ checkpoint files
+    def _register_newest(self, trainer: pl.Trainer) -> None:
+        """The round checkpoint saved since the last round waits for a round its weights sampled."""
         checkpoint = self._checkpoint(trainer)
-        if checkpoint is None or checkpoint.newest is None:
+        if checkpoint is not None and checkpoint.newest is not None and checkpoint.newest.path:
+            self.ledger.saved(checkpoint.newest)
+
+    def _roles(self) -> dict[str, SavedCheckpoint]:
+        """The files the guard needs kept, by role: the healthy and best targets and each waiting checkpoint."""
+        roles = {f"waiting-v{c.version}": c for c in self.ledger.waiting}
+        roles.update({role: c for role, c in (("healthy", self.ledger.healthy), ("best", self.best)) if c})
+        return roles
+
+    def _keep(self, trainer: pl.Trainer, saved: SavedCheckpoint, role: str) -> SavedCheckpoint:
+        """`saved` kept as `role` (a copy when it is `last.ckpt`, which the next round overwrites); returns it kept."""
+        checkpoint = self._checkpoint(trainer)
+        if checkpoint is None:
+            return saved
+        kept = SavedCheckpoint(saved.version, saved.step, checkpoint.keep(trainer, saved.path, role=role))
+        if role == "healthy":
+            self.ledger.healthy = kept
+        return kept
+
+    def _protect_waiting(self, trainer: pl.Trainer) -> None:
+        """At k >= 1 a checkpoint waits rounds for its judgement: keep_last must not drop it meanwhile, nor must the
+        next round's `last.ckpt` overwrite it (keep_last=0: copied once). At k = 0 nothing is left waiting here."""
+        checkpoint = self._checkpoint(trainer)
+        if checkpoint is None:
             return
-        step, path = checkpoint.newest
-        if step >= self.last_fire_step and path and step > self._healthy_at:
-            self.healthy = checkpoint.keep(trainer, path)
-            self._healthy_at = step
+        for index, waiting in enumerate(self.ledger.waiting):
+            role = f"waiting-v{waiting.version}"
+            if role not in checkpoint.kept:
+                self.ledger.waiting[index] = self._keep(trainer, waiting, role)
+
+    def _release(self, trainer: pl.Trainer, checkpoints: list[SavedCheckpoint]) -> None:
+        checkpoint = self._checkpoint(trainer)
+        for saved in checkpoints:
+            if checkpoint is not None:
+                checkpoint.release(trainer, f"waiting-v{saved.version}")
 
     def _keep_best(self, trainer: pl.Trainer, value: float) -> None:
         """A new best validation whose weights are on disk becomes the `best` target: the round checkpoint saved at
@@ -324,9 +380,9 @@ class Guard(pl.Callback):
         if trainer.global_step == 0 and checkpoint.dirpath:
             start = str(Path(checkpoint.dirpath) / "start.ckpt")
             trainer.save_checkpoint(start, weights_only=False)  # full, as every dspo checkpoint
-            self.best = checkpoint.keep(trainer, start, role="best")
-        elif checkpoint.newest is not None and checkpoint.newest[0] == trainer.global_step:
-            self.best = checkpoint.keep(trainer, checkpoint.newest[1], role="best")
+            self.best = self._keep(trainer, SavedCheckpoint(0, 0, start), "best")
+        elif checkpoint.newest is not None and checkpoint.newest.step == trainer.global_step:
+            self.best = self._keep(trainer, checkpoint.newest, "best")
 
     @staticmethod
     def _checkpoint(trainer: pl.Trainer) -> RoundCheckpoint | None:
@@ -339,11 +395,9 @@ class Guard(pl.Callback):
         return {
             "rollbacks": self.rollbacks,
             "lr_scale": self.lr_scale,
-            "healthy": self.healthy,
-            "healthy_step": self._healthy_at,
-            "best": self.best,
+            "ledger": self.ledger.state_dict(),
+            "best": asdict(self.best) if self.best else None,
             "best_validation": self.best_validation,
-            "last_fire_step": self.last_fire_step,
             "detectors": {name: d.state_dict() for name, d in self.detectors.items()},
         }
 
@@ -351,10 +405,30 @@ class Guard(pl.Callback):
         if not self.enabled or not state_dict:
             return
         self.rollbacks, self.lr_scale = int(state_dict["rollbacks"]), float(state_dict["lr_scale"])
-        self.healthy, self._healthy_at = state_dict["healthy"], int(state_dict["healthy_step"])
-        self.last_fire_step = int(state_dict["last_fire_step"])
-        self.best = state_dict.get("best")  # absent in checkpoints written before the guard kept it
+        self.ledger = HealthLedger.from_state(state_dict["ledger"]) if "ledger" in state_dict else self._old(state_dict)
+        best = state_dict.get("best")  # absent in checkpoints written before the guard kept it
+        self.best = SavedCheckpoint(**best) if isinstance(best, dict) else self._old_best(best)
         self.best_validation = float(state_dict.get("best_validation", float("-inf")))
         for name, state in state_dict.get("detectors", {}).items():
             if name in self.detectors:
                 self.detectors[name].load_state_dict(state)
+
+    def _old(self, state: dict[str, Any]) -> HealthLedger:
+        """A checkpoint written before the ledger (healthy file and step, the step of the last firing): versions
+        from steps (M steps a round); at the k = 0 those guards assumed, the fired round's version was one less."""
+        healthy, step = state.get("healthy"), int(state.get("healthy_step", -1))
+        saved = SavedCheckpoint(step // self.steps_per_round, step, healthy) if healthy else None
+        fired = int(state.get("last_fire_step", -1))
+        return HealthLedger(healthy=saved, last_bad=fired // self.steps_per_round - 1 if fired >= 0 else -1)
+
+    def _old_best(self, path: str | None) -> SavedCheckpoint | None:
+        if not path:
+            return None
+        step = 0 if Path(path).name == "start.ckpt" else checkpoint_file_step(path)
+        return SavedCheckpoint(step // self.steps_per_round, step, path)
+
+
+def checkpoint_file_step(path: str) -> int:
+    """The global step in a round checkpoint's name (`step00012.ckpt` -> 12); 0 when the name has none."""
+    digits = "".join(ch for ch in Path(path).stem if ch.isdigit())
+    return int(digits) if digits else 0

@@ -32,6 +32,7 @@ from dspo.rollout.link import TrainerLink
 from dspo.rollout.sides import EngineProcessSide, LocalEngine
 from dspo.rollout.spec import WorkerSpec
 from dspo.rollout.worker import staleness_stats
+from dspo.types import RolloutGroup, RoundReport
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,33 @@ class RoundState:
     # hand it to the filter before a round and take the filter's back after it (in this process, or the engine
     # process's end state at k >= 1); checkpoints save it, `rewind` puts it back
     keep_rate_estimate: float | None = None
+    report: RoundReport | None = None  # what sampling `current` showed (the guard reads it from the round's first slot)
 
     @property
     def round_done(self) -> bool:
         return self.current is None or self.cursor >= len(self.current.minibatches)
+
+
+def sampling_versions(groups: list[RolloutGroup], round_index: int) -> tuple[int, int]:
+    """(oldest, newest) policy version of the weights that sampled the trained tokens of `groups` (`round_index` for
+    a round without any)."""
+    versions = [v for g in groups for t in g.trajectories for v in (t.trained_token_versions() or [t.policy_version])]
+    return (min(versions), max(versions)) if versions else (round_index, round_index)
+
+
+def round_report(round_index: int, groups: list[RolloutGroup], stats: dict[str, float]) -> RoundReport:
+    """The typed report of a round from the sampler's statistics (a missing one is a KeyError naming it: the sampler
+    always computes these)."""
+    oldest, newest = sampling_versions(groups, round_index)
+    return RoundReport(
+        round_index=round_index,
+        sampled_reward=float(stats["rollout/sampled_reward_mean"]),
+        truncated_share=float(stats["rollout/truncated_share"]),
+        no_search_share=float(stats["rollout/no_search_share"]),
+        searched_reward=float(stats["rollout/searched_reward_mean"]),
+        oldest_version=oldest,
+        newest_version=newest,
+    )
 
 
 class RoundProducer:
@@ -122,6 +146,7 @@ class RoundProducer:
         state = self.state
         slot.micro_batches = state.current.minibatches[state.cursor]
         slot.round_batches = [b for mb in state.current.minibatches for b in mb] if state.cursor == 0 else []
+        slot.report = state.report if state.cursor == 0 else None
         slot.round_index, slot.minibatch_index = state.completed, state.cursor
         return stats
 
@@ -152,6 +177,7 @@ class RoundProducer:
         stats.update(staleness_stats(groups, round_index))
         state.generated_tokens_total += stats["rollout/generated_tokens"]
         stats["rollout/generated_tokens_total"] = state.generated_tokens_total
+        state.report = round_report(round_index, groups, stats)
         return stats
 
     def _agree_counts(self):

@@ -204,7 +204,7 @@ def test_preemption_handlers_are_restored_when_training_ends(tmp_path: Path) -> 
     callback = PreemptionCheckpoint(str(tmp_path / "ckpt"))
     trainer = pl.Trainer(
         max_steps=2, callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, accelerator="cpu", default_root_dir=str(tmp_path),
+        enable_checkpointing=True, accelerator="cpu", default_root_dir=str(tmp_path),
     )  # fmt: skip
     trainer.fit(Tiny())
     assert {s: signal.getsignal(s) for s in before} == before

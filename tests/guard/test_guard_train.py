@@ -2,8 +2,10 @@
 and the stop after `guard.max_rollbacks`.
 
 A detector is made to fire on purpose: `entropy` with a band of +-0.01 % around its warm-up level fires at the first
-round after its 2 warm-up rounds (an entropy never repeats to 4 digits). With one optimizer step per round: round 0
-and 1 are clean (the step-1 checkpoint becomes healthy at round 1's end), round 2 fires and rolls back to it."""
+round after its warm-up rounds (an entropy never repeats to 4 digits). With one optimizer step per round at k = 0:
+round 0 and 1 are clean (the step-1 checkpoint, version 1, sampled round 1: healthy at its end), round 2 fires and
+rolls back to it. At k = 1 round r is sampled by version r - 1: the step-1 checkpoint is vouched for by round 2, so
+the detector warms up 3 rounds and round 3 fires (issue 70: a clean round vouches for the weights that sampled it)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ FIRES_AT_ROUND_2 = [
     "guard.detectors.entropy.low=0.9999",
     "guard.detectors.entropy.high=1.0001",
 ]
+FIRES_AT_ROUND_3 = [*FIRES_AT_ROUND_2[1:], "guard.detectors.entropy.warmup=3"]
 ONE_STEP_ROUNDS = [
     "algorithm.num_minibatches=1",
     "trainer.val_check_interval=100",
@@ -69,26 +72,27 @@ def test_rollback_at_k1_then_resume_keeps_the_guard_state_and_stops_after_max_ro
     toy_cache, run_train, short_default_hf, tmp_path
 ):
     outputs = tmp_path / "outputs"
-    args = [*short_default_hf, *ONE_STEP_ROUNDS, *FIRES_AT_ROUND_2, "rollout.max_staleness=1", "run_name=guard_k1"]
-    result = run_train([*args, "trainer.max_steps=3"], outputs)
+    args = [*short_default_hf, *ONE_STEP_ROUNDS, *FIRES_AT_ROUND_3, "rollout.max_staleness=1", "run_name=guard_k1"]
+    result = run_train([*args, "trainer.max_steps=4"], outputs)
     run = _run_dir(outputs, "guard_k1")
     (event,) = _events(run)
-    assert event["action"] == "rollback" and event["step"] == 3 and event["round_index"] == 2
+    assert event["action"] == "rollback" and event["step"] == 4 and event["round_index"] == 3
+    # round 3 was sampled by version 2 (the step-2 checkpoint): the rollback goes to step 1, vouched for by round 2
     assert list(event["detectors"]) == ["entropy"] and event["restored_from"].endswith("step00001.ckpt")
     assert event["rollbacks"] == 1 and event["lr_scale"] == 0.5
-    assert "guard: round 2 (step 3): entropy (entropy" in result.stdout + result.stderr
-    _assert_rolled_back(run, at_step=3, healthy_step=1)
-    assert not (run / "checkpoints" / "step00002.ckpt").exists()  # keep_last=1 dropped it, not the healthy one
+    assert "guard: round 3 (step 4): entropy (entropy" in result.stdout + result.stderr
+    _assert_rolled_back(run, at_step=4, healthy_step=1)
+    assert not (run / "checkpoints" / "step00002.ckpt").exists()  # dropped once its bad round was judged
     header = next(run.rglob("metrics.csv")).read_text().splitlines()[0]
     assert {"guard/entropy", "guard/rollbacks", "guard/lr_scale", "guard/reward_drop"} <= set(header.split(","))
 
     # resumed with a lower cap: the guard remembers its rollback (and the detector its baseline, so it fires again
     # at once), so the next rollback asked for is over the cap: the run stops with a non-zero exit and says why
-    cmd = [sys.executable, "-m", "dspo.train", *args, "trainer.max_steps=5", "ckpt_path=last", "guard.max_rollbacks=1"]
+    cmd = [sys.executable, "-m", "dspo.train", *args, "trainer.max_steps=6", "ckpt_path=last", "guard.max_rollbacks=1"]
     env = {**os.environ, "DSPO_CACHE": str(toy_cache), "DSPO_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1"}
     stopped = run_to_exit(cmd, env, 900, finished="dspo-train finished", cwd=REPO)
     assert stopped.returncode != 0
-    assert "guard stopped the run at step 4" in stopped.stdout + stopped.stderr
+    assert "guard stopped the run at step 5" in stopped.stdout + stopped.stderr
     assert "guard.max_rollbacks=1" in stopped.stdout + stopped.stderr
     assert [e["action"] for e in _events(run)] == ["rollback", "stop"]
 
