@@ -9,6 +9,9 @@ A run's `status.json` (in its run directory, written by rank 0) holds `state` an
 - `preempted`: stopped by a scheduler's signal after saving `last.ckpt` (the requeued job resumes it);
 - `failed`: `error` is the exception's last line, `step` where it stopped.
 
+At its end a run adds its resident memory in GiB (dspo.train): `rss_start_gib`, what the process held when the job
+began (in a sweep run in one process, what the earlier jobs left), and `rss_peak_gib`, the job's own peak.
+
 A job killed without a chance to write (`kill -9`, the node died, out of memory) stays `running`: once nothing runs
 (the sweep is over, `python -m dspo.ablation`), such a job is reported as `stopped`, with the last error line of its
 log files. A folder with no `status.json` was written before status files existed: it is taken as it is (`unknown`).
@@ -31,10 +34,11 @@ INCOMPLETE_STATES = ("failed", "preempted", "stopped")
 _ERROR_WORDS = ("Error", "Exception", "Killed", "CANCELLED", "DUE TO TIME LIMIT", "out of memory", "Traceback")
 
 
-# What a new state takes over from the previous file when not given: the job's identity and its progress (a failure
-# is reported at the last step a running state wrote). Outcomes (`error`, `metric`, `checkpoint`, ...) never carry over:
-# an attempt's error is not the next attempt's, nor a finished run's metric a later failure's.
-CARRIED_FIELDS = ("job_num", "step", "max_steps")
+# What a new state takes over from the previous file when not given: the job's identity (number, process, cores) and
+# its progress (a failure is reported at the last step a running state wrote). Outcomes (`error`, `metric`,
+# `checkpoint`, ...) never carry over: an attempt's error is not the next attempt's, nor a finished run's metric a
+# later failure's.
+CARRIED_FIELDS = ("job_num", "pid", "cores", "step", "max_steps")
 
 
 def write_status(run_dir: str | Path, state: str, **fields: Any) -> None:
@@ -85,6 +89,7 @@ class JobState:
     error: str | None = None
     metric: float | None = None
     overrides: tuple[str, ...] = ()
+    rss_peak_gib: float | None = None
 
     @property
     def name(self) -> str:
@@ -96,6 +101,7 @@ class JobState:
             what = f"running step {self.step}/{self.max_steps if self.max_steps is not None else '?'}"
         elif self.state == "finished":
             what = "finished" + (f" ({self.metric:.4f})" if self.metric is not None else "")
+            what += f", peak {self.rss_peak_gib:.2f} GiB" if self.rss_peak_gib is not None else ""
         elif self.state in INCOMPLETE_STATES:
             step = f" at step {self.step}" if self.step is not None else ""
             what = f"{self.state}{step}" + (f": {self.error}" if self.error else "")
@@ -118,7 +124,7 @@ def job_state(run_dir: str | Path, sweep_running: bool = False) -> JobState:
         state, error = "stopped", last_error_line(run_dir) or "no error line in its logs (killed?)"
     elif state in ("failed", "preempted") and not error:
         error = last_error_line(run_dir)
-    metric = status.get("metric")
+    metric, peak = status.get("metric"), status.get("rss_peak_gib")
     return JobState(
         run_dir,
         state,
@@ -127,6 +133,7 @@ def job_state(run_dir: str | Path, sweep_running: bool = False) -> JobState:
         error=error,
         metric=float(metric) if isinstance(metric, int | float) else None,
         overrides=overrides,
+        rss_peak_gib=float(peak) if isinstance(peak, int | float) else None,
     )
 
 

@@ -9,6 +9,7 @@ dspo-train ckpt_path=last                           # resume the newest run of t
 from __future__ import annotations
 
 import logging
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,24 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     module = hydra.utils.instantiate(cfg.module, _convert_="all")  # plain containers: checkpoints load weights_only
     module.run_record = run_record(cfg)  # in every checkpoint and the exported model: what dspo-eval adopts
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if OmegaConf.select(cfg, "trainer.enable_checkpointing", default=True) is False:
+        callbacks = _without_checkpoints(callbacks)
     loggers = build_loggers(cfg.get("logger"))
     if loggers:  # every logger gets the whole resolved config, once (dspo.loggers); checkpoints keep module hparams
         callbacks.append(LogRunConfig(run_hyperparameters(cfg)))
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return {"datamodule": datamodule, "module": module, "callbacks": callbacks, "trainer": trainer}
+
+
+def _without_checkpoints(callbacks: list) -> list:
+    """trainer.enable_checkpointing=false means no checkpoint at all: the callbacks that write one (round, preemption,
+    best) are left out, with a line naming them, rather than Lightning refusing the whole run."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    dropped = [type(c).__name__ for c in callbacks if isinstance(c, Checkpoint)]
+    if dropped:
+        log.info("trainer.enable_checkpointing=false: %s left out (they write checkpoints)", ", ".join(dropped))
+    return [c for c in callbacks if not isinstance(c, Checkpoint)]
 
 
 def fit_or_checkpoint(trainer, module, datamodule, ckpt_path: str | None) -> None:
@@ -106,20 +120,68 @@ def train(cfg: DictConfig) -> float | None:
         return sweep_job.mean_over_seeds(cfg, train)
     if sweep_job.in_sweep() and cfg.ckpt_path == "auto":
         done, metric = finished_result(str(cfg.output_dir), OmegaConf.select(cfg, "trainer.max_steps", default=None))
-        if done:  # a resumed sweep: this job finished before, its result stands (docs/scaling.md#a-sweep-on-slurm)
+        if done:  # a resumed sweep: this job finished before, its result stands (docs/sweeps.md#a-sweep-on-slurm)
             log.warning(
                 "%s finished before (status.json): not run again; %s = %s", cfg.output_dir, cfg.sweep_metric, metric
             )
             return metric
     with process_settings(accelerator=OmegaConf.select(cfg, "trainer.accelerator", default=None)):
         configure_threads(local_processes=local_processes(cfg))
+        start = _start_job()
         try:
             return _train(cfg)
-        except sweep_job.RunPreempted:  # its status.json says preempted already
+        except sweep_job.RunPreempted as error:  # its status.json says preempted already
+            _drop_locals_in_sweep(error)
             raise
         except BaseException as error:  # the sweep's report names the failed job with this line (dspo.sweep)
             sweep_job.write_end(cfg, "failed", error=sweep_job.error_line(error))
+            _drop_locals_in_sweep(error)
             raise
+        finally:
+            _end_job(cfg, start)
+
+
+def _start_job() -> tuple[float | None, bool]:
+    """(resident GiB at the job's start: what earlier jobs of this process left, whether the peak is now the job's
+    own): the kernel's peak is reset here (dspo.runtime.reset_peak_rss)."""
+    from dspo.runtime import reset_peak_rss, rss_gib
+
+    own_peak = reset_peak_rss()
+    return rss_gib(), own_peak
+
+
+def _drop_locals_in_sweep(error: BaseException) -> None:
+    """A sweep's launcher keeps a failed or preempted job's exception until the sweep ends, and with its traceback the
+    run's frames and their locals (trainer, module, engine): cleared here, so that the job's end frees them. A single
+    run keeps them for a post-mortem debugger (its process ends with it)."""
+    if sweep_job.in_sweep():
+        traceback.clear_frames(error.__traceback__)  # skips the frames still running (this one's callers)
+
+
+def _end_job(cfg: DictConfig, start: tuple[float | None, bool]) -> None:
+    """Free what the run left in this process, so that the next job of a sweep starts where this one did (issue 76:
+    dspo.runtime.release_job_memory), and add the job's memory to its status.json: `rss_start_gib` (what the process
+    held when the job began) and `rss_peak_gib` (the job's peak). Never hides the run's own outcome."""
+    from dspo.callbacks.status import record_job_memory
+    from dspo.runtime import release_job_memory, rss_gib
+
+    start_gib, own_peak = start
+    try:
+        peak_gib = rss_gib("VmHWM") if own_peak else None
+        if _work_follows_in_this_process():
+            release_job_memory((train.__code__, _train.__code__))
+        record_job_memory(str(cfg.output_dir), rss_start_gib=start_gib, rss_peak_gib=peak_gib)
+    except Exception as error:  # e.g. output_dir unresolvable outside Hydra
+        log.warning("could not release or record the run's memory (%s)", error)
+
+
+def _work_follows_in_this_process() -> bool:
+    """A sweep's next job (Hydra's basic launcher), or whatever a caller of `train()` does next (a notebook, a script,
+    a test). Not after a single `dspo-train` run: its process ends with it, and freeing takes seconds (1-2 s after a
+    toy run here: collecting what vLLM froze, then the trim)."""
+    from dspo.runtime import process_ends_with_its_command
+
+    return sweep_job.in_sweep() or not process_ends_with_its_command()
 
 
 def _train(cfg: DictConfig) -> float | None:

@@ -227,3 +227,27 @@ def test_a_resumed_sweep_does_not_run_a_job_that_finished_again(tmp_path, monkey
     monkeypatch.setattr("dspo.sweep_job.in_sweep", lambda: False)
     cfg.ckpt_path = "auto"
     assert train_module.train(cfg) == 0.1 and len(ran) == 3
+
+
+def test_trainer_without_checkpointing_leaves_out_every_callback_that_writes_one(caplog) -> None:
+    """`+trainer.enable_checkpointing=false` with the default callbacks: Lightning refuses any `Checkpoint` callback
+    then, so build() leaves them out (round, preemption, best), names them, and the Trainer accepts the rest."""
+    import lightning.pytorch as pl
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import Checkpoint
+
+    from dspo.train import CONF_DIR, _without_checkpoints
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["output_dir=/tmp/unused", "logger=none"])
+    keys = ("checkpoint", "preemption", "best", "lr_monitor")
+    callbacks = [instantiate(cfg.callbacks[key]) for key in keys]
+    with caplog.at_level("INFO", logger="dspo.train"):
+        kept = _without_checkpoints(callbacks)
+    assert [type(c).__name__ for c in kept] == ["LearningRateMonitor"]
+    assert "RoundCheckpoint, PreemptionCheckpoint, ModelCheckpoint left out" in caplog.text
+    assert sum(isinstance(c, Checkpoint) for c in callbacks) == 3
+    pl.Trainer(enable_checkpointing=False, callbacks=kept, logger=False, accelerator="cpu")
+    with pytest.raises(Exception, match="enable_checkpointing=False"):
+        pl.Trainer(enable_checkpointing=False, callbacks=callbacks, logger=False, accelerator="cpu")

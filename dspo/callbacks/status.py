@@ -10,7 +10,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from dspo.sweep import write_status
+from dspo.sweep import read_status, write_status
 
 
 def hydra_job() -> tuple[int | None, list[str]]:
@@ -55,3 +55,17 @@ class RunStatus(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.is_global_zero and time.monotonic() - self._written >= self.every_s:
             self._write(trainer)
+
+
+def record_job_memory(run_dir: str | Path, **gib: float | None) -> None:
+    """Add the job's resident memory (`rss_start_gib`, `rss_peak_gib`, in GiB; None: not measured) to the `status.json`
+    its end wrote (rank 0 only; nothing without one, e.g. a command refused before it started): `python -m dspo.sweep`
+    shows each job's peak, and a sweep whose `rss_start_gib` grows from job to job keeps what its jobs leave."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    status = read_status(run_dir)
+    if status is None or getattr(rank_zero_only, "rank", 0) != 0:
+        return
+    kept = {key: value for key, value in status.items() if key not in ("state", "updated")}
+    measured = {key: round(value, 3) for key, value in gib.items() if value is not None}
+    write_status(run_dir, str(status.get("state")), **kept, **measured)
