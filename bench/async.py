@@ -18,7 +18,7 @@ Idle time per timed round: k >= 1 logs it (`rollout/trainer_wait_s`: the trainer
 `rollout/producer_idle_s`: the engine process waiting for weights). At k = 0 the two sides take turns: the trainer idles
 for the generation (`rollout/time_s`), the engine for the rest of the round.
 
-Bound: the best overlap can do with the cores split as k >= 1 splits them (`dspo.rollout.worker.split_cores`) is
+Bound: the best overlap can do with the cores split as k >= 1 splits them (`dspo.rollout.placement.split_cores`) is
 max(generation alone on the engine's cores, the rest of the round alone on the trainer's cores). Both are measured by
 k = 0 runs pinned (taskset + DSPO_NUM_THREADS) to each share: generation = median `rollout/time_s`, the rest = median
 round time - generation. With equal shares one pinned run gives both. Where the engine has its own device (a GPU box)

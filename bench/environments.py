@@ -63,23 +63,23 @@ SETUPS: dict[str, list[str]] = {  # name -> dspo-train overrides (the toy defaul
     "two_sources": ["env=two_sources"],
     "simulated": ["env=simulated"],
     "agent": ["env=agent"],  # docs/examples/openai_agent.py through the OpenAI-compatible endpoint (docs/agents.md)
-    "deep": ["experiment=toy_deep"],  # 1-4 hops, max_turns 8, 200 steps, its warm start (issue 43; docs/toyworld.md)
+    "deep": ["experiment=toy_deep"],  # 1-4 hops, max_turns 8, 200 steps, its warm start (issue 43; docs/toy-deep.md)
     # experiment=toy_deep from the default's shipped warm start, as bench/results/toy_deep.json measured it (commit
     # c4ee793, when it was the setup `deep`): the default's warm-start recipe, toy root and demonstration limits
     "deep_shipped_warmstart": SHIPPED_WARMSTART_DEEP,
     # a tight context budget (a 2-hop episode takes ~344 tokens with its prompt): the episode ends, or the oldest tool
-    # responses are compacted into one-line notes (rollout.agent.overflow; docs/training.md#long-episodes-...)
+    # responses are compacted into one-line notes (rollout.agent.overflow; docs/long-episodes.md)
     "tight_end": [*TIGHT, "rollout.agent.overflow=end"],
     "tight_compact": [*TIGHT, "rollout.agent.overflow=compact"],
     # experiment=toy_deep one round ahead (the engine in its own process), with and without partial rollouts: rounds
-    # that stop once enough groups finished and carry the rest (docs/training.md#partial-rollouts)
+    # that stop once enough groups finished and carry the rest (docs/async.md#partial-rollouts)
     "deep_k1": ["experiment=toy_deep", "rollout.max_staleness=1"],
     "deep_k1_partial": ["experiment=toy_deep", "rollout.max_staleness=1", "rollout.partial_rollouts=true"],
     # search self-play from the corpus alone (issue 57): proposer and solver roles of one policy, no QA training split,
     # against `search` (supervised RL on the toy's QA split) at the same steps
     "selfplay": ["experiment=toy_selfplay"],
     # the same without the on-topic rule (a question must name its topic and hold no markup): what the proposer learned
-    # then (docs/environments.md); measured before the rule existed (commit 254f71d), seeds 0 and 1
+    # then (docs/selfplay.md); measured before the rule existed (commit 254f71d), seeds 0 and 1
     "selfplay_loose": ["experiment=toy_selfplay", "rollout.agent.roles.1.derive.on_topic=false"],
     # the control: supervised RL on the QA split from self-play's own warm start (one role, the default agent)
     "selfplay_qa": [

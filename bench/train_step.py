@@ -139,7 +139,7 @@ def layouts(
     import torch
 
     from dspo.algorithms import group_advantages
-    from dspo.data.buffer import build_round, collate_trajectories
+    from dspo.data.round_builder import build_round, collate_trajectories
 
     bucketed = build_round(groups, 1, micro_batch_size, pad_id, policy_version=0, seed=seed).minibatches[0]
     advantages = group_advantages(torch.stack([g.rewards for g in groups]))
@@ -257,7 +257,7 @@ def optimizer_step(model, optimizer, micro_batches: list, device: str) -> None:
 def measure(model, optimizer, micro_batches: list, device: str) -> dict[str, float]:
     import torch
 
-    from dspo.data.buffer import padding_share
+    from dspo.data.round_builder import padding_share
 
     real = sum(int(b.attention_mask.sum()) for b in micro_batches)
     computed = sum(b.attention_mask.numel() for b in micro_batches)

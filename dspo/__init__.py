@@ -24,7 +24,7 @@ OmegaConf.register_new_resolver("dspo.precision", precision_for, replace=True)
 def by_staleness(synchronous: str, ahead: str, *, _root_) -> str:
     """`${dspo.by_staleness:A,B}` (conf/algorithm/dspo.yaml's rollout correction): A at `rollout.max_staleness` 0 or
     where the config has no rollout group, B at k >= 1 (rounds sampled by older weights: chosen by bench/correction.py,
-    docs/training.md)."""
+    docs/async.md)."""
     k = OmegaConf.select(_root_, "rollout.max_staleness", default=0)
     return ahead if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else synchronous
 

@@ -98,7 +98,7 @@ REFUSED: tuple[Refusal, ...] = (
         PARTIAL,
         SYNCHRONOUS,
         "at 0 every round is sampled by the newest weights, so no episode can be carried into the next round; set "
-        "rollout.max_staleness >= 1 or rollout.partial_rollouts=false (docs/training.md#partial-rollouts)",
+        "rollout.max_staleness >= 1 or rollout.partial_rollouts=false (docs/async.md#partial-rollouts)",
     ),
     Refusal(
         PARTIAL,

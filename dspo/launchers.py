@@ -35,7 +35,7 @@ try:
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 except ImportError as error:  # pragma: no cover - the cluster extra is in dev
     raise ImportError(
-        "hydra/launcher=local|slurm needs Hydra's submitit launcher: pip install -e '.[cluster]' (docs/scaling.md)"
+        "hydra/launcher=local|slurm needs Hydra's submitit launcher: pip install -e '.[cluster]' (docs/sweeps.md)"
     ) from error
 
 from dspo.sweep import read_status

@@ -377,7 +377,8 @@ class DSPOModule(pl.LightningModule):
         """Weights [N, L] for the objective and mismatch stats: logπ_old (as the objective uses it) vs the engine's."""
         if batch.engine_logprobs is None:
             raise RuntimeError(
-                "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.buffer.collate_trajectories"
+                "PolicyBatch.engine_logprobs is missing: build train batches with "
+                "dspo.data.round_builder.collate_trajectories"
             )
         cfg = self.algo.rollout_correction
         mask, engine = batch.loss_mask, batch.engine_logprobs

@@ -296,10 +296,10 @@ class StandInTokenizer:
 
 def attach(callback, agent: ScriptedAgent, engine: RecordingEngine, world_size: int = 1) -> None:
     """Put the stand-ins into an `RolloutCallback` before `trainer.fit` (its `setup` then builds nothing)."""
-    from dspo.rollout.sides import LocalEngine
+    from dspo.rollout.sides import InProcessSide
 
     callback.producer.tokenizer = StandInTokenizer()
-    callback.producer.attach(LocalEngine(engine, agent, RoundSampler(agent, callback.algo, 0, world_size)))
+    callback.producer.attach(InProcessSide(engine, agent, RoundSampler(agent, callback.algo, 0, world_size)))
 
 
 def toy_run(

@@ -132,7 +132,7 @@ def test_remote_retriever_takes_one_url_or_a_list_of_replicas(tmp_path):
     ],
 )
 def test_the_default_rollout_correction_follows_the_staleness(overrides, mode):
-    """Issue 38 (1): chosen with bench/correction.py (docs/training.md, "What the objective then estimates")."""
+    """Issue 38 (1): chosen with bench/correction.py (docs/async.md, "What the objective then estimates")."""
     from dspo.testing import compose_config
 
     cfg = compose_config("train", ["output_dir=/tmp/run", *overrides])
@@ -153,7 +153,7 @@ def test_lora_is_off_by_default_and_one_override_turns_it_on(tmp_path):
     for option in ("qwen2.5-3b-instruct", "qwen2.5-7b-instruct", "local"):
         composed = _compose("train", [f"model={option}", "model.path=/m", "model.lora.r=16", f"output_dir={tmp_path}"])
         assert instantiate(composed.model).lora.scaling == 2.0
-    paper = ["experiment=paper_qwen2.5_7b", "model.path=/m", "model.lora.r=16", "optimizer.lr=1e-5"]  # training.md
+    paper = ["experiment=paper_qwen2.5_7b", "model.path=/m", "model.lora.r=16", "optimizer.lr=1e-5"]  # lora.md
     assert instantiate(_compose("train", [*paper, f"output_dir={tmp_path}"]).model).lora.r == 16
     with pytest.raises(Exception, match="model.lora.r must be an integer >= 1"):  # Hydra wraps the ValueError
         instantiate(_compose("train", ["model.lora.r=0", f"output_dir={tmp_path}"]).model)
@@ -164,7 +164,7 @@ HYDRA_OPTIONS = sorted((str(p.parent.relative_to(CONF)), p.stem) for p in (CONF 
 
 @pytest.mark.parametrize("group,option", HYDRA_OPTIONS)
 def test_every_hydra_option_composes_and_names_a_plugin_hydra_can_load(group, option, tmp_path):
-    """conf/hydra/<group>/*.yaml (the launchers of docs/scaling.md#a-sweep-on-slurm) compose into train, and their
+    """conf/hydra/<group>/*.yaml (the launchers of docs/sweeps.md#a-sweep-on-slurm) compose into train, and their
     `_target_` is a class in Hydra's `hydra_plugins` package (Hydra refuses launchers from anywhere else)."""
     from hydra.core.plugins import Plugins
 

@@ -47,7 +47,7 @@ def _launcher(overrides: list[str]):
 
 
 def test_slurm_launcher_renders_the_documented_sbatch_script(tmp_path, monkeypatch) -> None:
-    """The script submitit would submit for a 4-job sweep (docs/scaling.md#a-sweep-on-slurm): one array task per job,
+    """The script submitit would submit for a 4-job sweep (docs/sweeps.md#a-sweep-on-slurm): one array task per job,
     one task per GPU, SIGUSR1 5 min before the limit (dspo's preemption callback), requeue allowed. `srun` is a
     stand-in on PATH (submitit looks for it); nothing is submitted."""
     (tmp_path / "srun").write_text("#!/bin/sh\nexit 1\n")

@@ -295,7 +295,7 @@ def test_error_messages_name_the_cause_and_the_fix(lm_dir, tmp_path, caplog):
     with pytest.raises(RuntimeError) as missing:
         module._rollout_correction(torch.zeros(1, 2), SimpleNamespace(engine_logprobs=None))
     assert str(missing.value) == (
-        "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.buffer.collate_trajectories"
+        "PolicyBatch.engine_logprobs is missing: build train batches with dspo.data.round_builder.collate_trajectories"
     )
     with pytest.raises(RuntimeError) as detached:
         module.test_step([], 0)  # a plain list: not a RolloutDataModule batch, and nobody answered it
@@ -382,7 +382,7 @@ def _off_policy_step(lm_dir, groups, loss_name):
     extended). Also returns how many rows a per-sample ratio would clip differently from their episode's."""
     from dspo.algorithms.blocks import clipped_surrogate, episode_ratio, masked_log_ratio, sequence_ratio
     from dspo.algorithms.config import AlgorithmConfig
-    from dspo.data.buffer import build_round
+    from dspo.data.round_builder import build_round
     from dspo.models import ModelConfig
     from dspo.module import OptimizerConfig
 

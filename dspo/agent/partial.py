@@ -7,7 +7,7 @@ engine holds then. Each token keeps the version that generated it (`Episode.vers
 so the importance weights of `algorithm.rollout_correction` use, token by token, the engine logprob of the policy that
 sampled it; a group is dropped once its oldest token is more than `rollout.max_token_age` rounds old. The age bound
 selects on length: a group is trained only if all its episodes finish within it, so the longest episodes are the ones
-dropped, and no importance weight corrects that (docs/training.md#partial-rollouts).
+dropped, and no importance weight corrects that (docs/async.md#partial-rollouts).
 
 Departures from AReaL/slime (which interrupt generation mid-turn and recompute the KV cache): episodes are carried
 between turns, never inside one, so every model turn is sampled by one policy and the engine needs no interruption.

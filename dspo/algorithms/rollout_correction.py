@@ -316,12 +316,12 @@ def staleness_notice(mode: str, max_staleness: int) -> tuple[int, str] | None:
             f"{keys}: the mode does not reweight, so rounds sampled by weights up to {max_staleness} round(s) old "
             "train uncorrected (the gradient is not an estimate under the round-start policy π_old). Use "
             "algorithm.rollout_correction.mode=seq_prod_tis (the truncated sequence importance weight; token_tis "
-            "for a token-level objective), or rollout.max_staleness=0 (docs/training.md)"
+            "for a token-level objective), or rollout.max_staleness=0 (docs/async.md)"
         )
     if staleness == "numerics":
         return logging.INFO, (
             f"note: {keys}: the mode weighs a sequence by the geometric mean of its token ratios π_old/μ, which "
             "corrects the engine/trainer numerics but barely the staleness (the importance weight is their product: "
-            "algorithm.rollout_correction.mode=seq_prod_tis; bench/correction.py compares them, docs/training.md)"
+            "algorithm.rollout_correction.mode=seq_prod_tis; bench/correction.py compares them, docs/async.md)"
         )
     return None

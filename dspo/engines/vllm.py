@@ -102,7 +102,8 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """vLLM sleep level 1 (weights to host memory, KV cache dropped): the trainer gets the GPU for the update.
-        The round producer (`LocalEngine.sleep`) calls it after a round is generated, `wake_up` before the next push."""
+        The round producer (`InProcessSide.sleep`) calls it after a round is generated, `wake_up` before the next
+        push."""
         self.llm.sleep(level=1)
         self.asleep = True
 

@@ -13,7 +13,7 @@ from the model's own text) and returns, per episode, a `RewardResult`:
 The scalar the group advantage uses is `total = outcome + shaping + Σ step_rewards`. With `credit: turn`, a
 token-level objective credits each turn's tokens with the trajectory-level advantage (the estimator on outcome +
 shaping) plus the same estimator's advantage of that turn's step reward among the group's step rewards instead
-(StepSearch's token-level process supervision; `dspo.data.buffer`).
+(StepSearch's token-level process supervision; `dspo.data.round_builder`).
 
 The answer and its subEM (`extract_answer`, `subem_reward`), which every shipped reward starts from:
 

@@ -14,9 +14,7 @@ the architecture and tokenizer files of the model they were trained from (`model
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +28,6 @@ from dspo.types import QAItem
 
 log = logging.getLogger(__name__)
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 _LOAD_BENCHMARKS = "dspo.data.qa.load_benchmarks"
 
 
@@ -128,32 +125,61 @@ def _lora_adapters(checkpoint: Mapping[str, Any], weights: Mapping[str, torch.Te
 def export_checkpoint(
     ckpt_path: str, output_dir: str, model_path: str | None = None, allow_foreign: bool = False
 ) -> tuple[str, int]:
-    """Write the checkpoint's policy as a Hugging Face model folder; returns (folder, training step).
+    """Write the checkpoint's policy as a Hugging Face model folder (`dspo.models.export`, as the end of training
+    writes one); returns (folder, training step).
 
     Tensor names are checked against the base architecture (built on the meta device, no memory), so a checkpoint
     of another model fails here with the names that differ rather than inside the engine.
     """
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from dspo.models.lora import adapter_dir, merge_into_base, save_adapter
-    from dspo.record import RECORD_FILE, checkpoint_record, write_record
+    from dspo.models.export import Adapter, BaseModelFolder, export_model
+    from dspo.record import checkpoint_record
 
     checkpoint = read_checkpoint(ckpt_path, allow_foreign)
     base = checkpoint_model_dir(checkpoint, model_path)
     weights = policy_state_dict(checkpoint)
     adapters, lora = _lora_adapters(checkpoint, weights, ckpt_path)
     if adapters:  # a LoRA checkpoint holds the adapters only: merged into the base model it was trained from
-        dtype = ((checkpoint.get("hyper_parameters") or {}).get("model") or {}).get("dtype", "float32")
-        base_model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
-        weights = merge_into_base(base_model.state_dict(), adapters, lora.scaling)
+        weights = _merged_into_base(checkpoint, base, adapters, lora)
     config = AutoConfig.from_pretrained(base)
+    if getattr(config, "tie_word_embeddings", False):  # one tensor on disk, as Hugging Face saves tied models
+        weights.pop("lm_head.weight", None)
+    _check_architecture(weights, config, base, ckpt_path)
+    step = int(checkpoint.get("global_step", 0) or 0)
+    exported = export_model(
+        output_dir,
+        weights,
+        BaseModelFolder(base),
+        record=checkpoint_record(checkpoint, ckpt_path),  # the folder then describes itself, as a trained model's
+        step=step,
+        adapter=Adapter(lora, list(adapters.items()), base) if adapters else None,
+    )
+    if exported.adapter is not None:
+        log.info("wrote the LoRA adapter beside the merged model: %s", exported.adapter)
+    return str(exported.folder), step
+
+
+def _merged_into_base(
+    checkpoint: Mapping[str, Any], base: str, adapters: Mapping[str, torch.Tensor], lora: Any
+) -> dict[str, torch.Tensor]:
+    """The base model's weights (in the checkpoint's `model.dtype`) with the checkpoint's LoRA `adapters` merged in."""
+    from transformers import AutoModelForCausalLM
+
+    from dspo.models.lora import merge_into_base
+
+    dtype = ((checkpoint.get("hyper_parameters") or {}).get("model") or {}).get("dtype", "float32")
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
+    return merge_into_base(base_model.state_dict(), adapters, lora.scaling)
+
+
+def _check_architecture(weights: Mapping[str, torch.Tensor], config: Any, base: str, ckpt_path: str) -> None:
+    """`weights` are exactly the tensors of the architecture `config` describes (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         expected = set(AutoModelForCausalLM.from_config(config).state_dict())
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:  # one tensor on disk, as Hugging Face saves tied models
-        weights.pop("lm_head.weight", None)
+    if getattr(config, "tie_word_embeddings", False):
         expected.discard("lm_head.weight")
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:
@@ -161,28 +187,6 @@ def export_checkpoint(
             f"ckpt_path={ckpt_path} does not match the architecture of {base}: missing {missing[:5]} "
             f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)}); pass the right model.path"
         )
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for item in Path(base).iterdir():  # config, generation config, tokenizer files: everything but weights
-        skip = item.name.endswith(_WEIGHT_SUFFIXES) or item.name.endswith(".index.json") or item.name == RECORD_FILE
-        if item.is_file() and not skip:
-            shutil.copy2(item, out / item.name)
-    split = split_torch_state_dict_into_shards(weights, max_shard_size="5GB")
-    for filename, names in split.filename_to_tensors.items():
-        save_file({name: weights[name].contiguous() for name in names}, str(out / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if adapters:
-        log.info(
-            "wrote the LoRA adapter beside the merged model: %s",
-            save_adapter(adapter_dir(out), lora, adapters.items(), base),
-        )
-    step = int(checkpoint.get("global_step", 0) or 0)
-    record = checkpoint_record(checkpoint, ckpt_path)
-    if record is not None:  # the folder then describes itself, as a model exported at the end of training does
-        write_record(out, record, step)
-    return str(out), step
 
 
 # ------------------------------------------------------------------------------------------------ data + agent

@@ -1,11 +1,14 @@
 """What the trainer and its engine process say to each other over their two queues (issue 41: typed, not tagged
-tuples). Commands go to the engine process (`dspo.rollout.serve`), replies come back to its handle
-(`dspo.rollout.worker.EngineProcess`); every one is a frozen dataclass, pickled by the queue."""
+tuples). Commands go to the engine process (`dspo.rollout.engine_process_main`), replies come back to its handle
+(`dspo.rollout.engine_process.EngineProcess`); every one is a frozen dataclass, pickled by the queue."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not a name of this module: every dataclass here is a message
+    from dspo.types import RolloutGroup
 
 
 # ------------------------------------------------------------------------------------------ trainer -> engine process
@@ -41,10 +44,26 @@ class Ready:
 
 
 @dataclass(frozen=True)
-class RoundDone:
-    """A round generated (`dspo.rollout.spec.SampledRound`)."""
+class SampledRound:
+    """One round as the engine process produced it. Groups are this rank's share, unbuilt (the trainer pads them)."""
 
-    sampled: Any
+    index: int  # round r
+    groups: list[RolloutGroup]  # [B / world] kept groups
+    stats: dict[str, float]  # RoundSampler.sample_round's statistics
+    weights_round: int  # completed rounds of the weights that sampled it (every trajectory's newest tokens)
+    # where round r+1 starts, which the trainer's checkpoint saves: the engine process's prompt sampler after the round
+    # (over-sampled prompts included) and its filter's keep-rate prior
+    sampler_state: dict[str, int] | None = None
+    keep_rate: float | None = None
+    idle_s: float = 0.0  # time the engine process waited for weights before starting it
+    generation: tuple[float, float] = (0.0, 0.0)  # time.time() when its generation started and ended
+
+
+@dataclass(frozen=True)
+class RoundDone:
+    """A round generated."""
+
+    sampled: SampledRound
 
 
 @dataclass(frozen=True)

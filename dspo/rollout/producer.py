@@ -2,12 +2,14 @@
 
 One object per rank owns everything that makes a round: the engine side (`dspo.rollout.sides`: the engine, agent and
 group filter in this process at `rollout.max_staleness` 0, or the engine process that holds them at k >= 1), the
-prompt sampler the DataModule loaded (and checkpoints), round building (advantages, shuffling, mini-batches) and the one
-round/version state, `RoundState`, with the one `state_dict` checkpoints save. It knows no trainer: what it needs of
-one (the policy's weights and their version, progress, an all-ranks vote, the rank's place) comes as a `TrainerLink`
-(`dspo.rollout.link`) at `setup`. `RolloutCallback` drives it from Lightning's hooks (`fill` at a train batch's
-start, `step_done` at its end, `push` and `predict` around evaluation); the module only trains on the `RoundSlot`s it
-fills and scores the `EvalSlot`s.
+prompt sampler the DataModule loaded (and checkpoints), round building (advantages, shuffling, mini-batches:
+`dspo.data.round_builder`) and the one round/version state, `RoundState`, with the one `state_dict` checkpoints save.
+It is the state's only writer: the sides read it as a frozen `RoundPosition` and hand back a `RoundResult` (the weight
+version pushed, the filter's prior after the round, the engine process's sampler state), which `_record` writes. It
+knows no trainer: what it needs of one (the policy's weights and their version, progress, an all-ranks vote, the
+rank's place) comes as a `TrainerLink` (`dspo.rollout.link`) at `setup`. `RolloutCallback` drives it from Lightning's
+hooks (`fill` at a train batch's start, `step_done` at its end, `push` and `predict` around evaluation); the module
+only trains on the `RoundSlot`s it fills and scores the `EvalSlot`s.
 
 Round r is always the round after `state.completed` = r rounds, trained on the weights the engine holds, which is
 `state.engine_version` optimizer steps (`TrainerLink.weights_version`; -1: unknown, push before sampling). At k = 0 the
@@ -25,13 +27,12 @@ from typing import Any
 
 import torch
 
-from dspo.data.buffer import Round, build_round
+from dspo.data.round_builder import Round, build_round
 from dspo.data.rounds import RoundSlot
 from dspo.models import load_tokenizer
 from dspo.rollout.link import TrainerLink
-from dspo.rollout.sides import EngineProcessSide, LocalEngine
+from dspo.rollout.sides import EngineProcessSide, InProcessSide, RoundPosition, RoundResult
 from dspo.rollout.spec import WorkerSpec
-from dspo.rollout.worker import staleness_stats
 from dspo.types import RolloutGroup, RoundReport
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,9 @@ class RoundState:
     current: Round | None = None  # the round being trained (None between rounds)
     engine_version: int = 0  # DSPOModule.weights_version the engine holds (-1: unknown, push before sampling)
     generated_tokens_total: float = 0.0  # compute-matched x axis: sampled tokens so far, filtered groups included
-    # the filter's keep-rate prior as of the last round taken (None: the filter's initial one). Its one owner: the sides
-    # hand it to the filter before a round and take the filter's back after it (in this process, or the engine
-    # process's end state at k >= 1); checkpoints save it, `rewind` puts it back
+    # the filter's keep-rate prior as of the last round taken (None: the filter's initial one). Its one owner: a side
+    # hands it to the filter before a round and returns the filter's after it (in this process, or the engine
+    # process's at k >= 1); checkpoints save it, `rewind` puts it back
     keep_rate_estimate: float | None = None
     report: RoundReport | None = None  # what sampling `current` showed (the guard reads it from the round's first slot)
 
@@ -56,12 +57,36 @@ class RoundState:
     def round_done(self) -> bool:
         return self.current is None or self.cursor >= len(self.current.minibatches)
 
+    def position(self) -> RoundPosition:
+        """What an engine side reads of this state (a frozen copy)."""
+        return RoundPosition(self.completed, self.engine_version, self.keep_rate_estimate)
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """Where the round in progress started: what `RoundProducer.rewind` puts back when it fails before training."""
+
+    global_step: int  # the trainer's step when the round started (it moves once the round's first step is trained)
+    sampler: Any  # the prompt sampler it drew from (None: evaluation only)
+    sampler_state: dict[str, int] | None  # that sampler's position then
+    keep_rate: float | None  # the filter's keep-rate prior then
+
 
 def sampling_versions(groups: list[RolloutGroup], round_index: int) -> tuple[int, int]:
     """(oldest, newest) policy version of the weights that sampled the trained tokens of `groups` (`round_index` for
     a round without any)."""
     versions = [v for g in groups for t in g.trajectories for v in (t.trained_token_versions() or [t.policy_version])]
     return (min(versions), max(versions)) if versions else (round_index, round_index)
+
+
+def staleness_stats(groups: list[RolloutGroup], round_index: int) -> dict[str, float]:
+    """rollout/staleness_{mean,max}: rounds between the weights that sampled each trajectory (its oldest tokens, with
+    partial rollouts) and the round it trains."""
+    ages = [round_index - t.policy_version for g in groups for t in g.trajectories]
+    return {
+        "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
+        "rollout/staleness_max": float(max(ages, default=0)),
+    }
 
 
 def round_report(round_index: int, groups: list[RolloutGroup], stats: dict[str, float]) -> RoundReport:
@@ -97,13 +122,12 @@ class RoundProducer:
         self.spec, self.algo = spec, spec.algorithm
         self.engine_cores, self.engine_threads, self.engine_devices = engine_cores, engine_threads, engine_devices
         self.state = RoundState()
-        self.side: LocalEngine | EngineProcessSide | None = None
+        self.side: InProcessSide | EngineProcessSide | None = None
         self.tokenizer = None
         self.sampler = None  # the DataModule's PromptSampler (None when only evaluating)
         self.link: TrainerLink | None = None  # what it needs of the trainer (set at `setup`)
         self.timeline: dict | None = None  # the round in progress: when it was waited for, generated, taken
-        # (global step, sampler, its state, keep-rate prior) at the start of the round in progress
-        self._round_start: tuple | None = None
+        self._round_start: RoundStart | None = None  # where the round in progress started (None: none in progress)
 
     @property
     def max_staleness(self) -> int:
@@ -122,20 +146,19 @@ class RoundProducer:
             self.side = EngineProcessSide(self.spec, self.engine_cores, self.engine_threads, self.engine_devices)
             return
         spec = replace(self.spec, rank=link.rank, world_size=link.world_size)
-        self.attach(LocalEngine.build(spec, self.tokenizer))
+        self.attach(InProcessSide.build(spec, self.tokenizer))
 
-    def attach(self, side: LocalEngine | EngineProcessSide) -> None:
+    def attach(self, side: InProcessSide | EngineProcessSide) -> None:
         """Use `side` (tests attach stand-in engines and agents this way). The keep-rate prior is the round state's: a
-        restored one is given to the side's filter, else the state takes the filter's own initial prior."""
+        restored one is handed to the side's filter when the next round starts, else the state takes the filter's own
+        initial prior (the engine process's filter reports its prior after a round)."""
         self.side = side
-        if self.state.keep_rate_estimate is None:  # the engine process's filter reports its prior after a round
-            self.state.keep_rate_estimate = getattr(side, "keep_rate_estimate", None)
-        elif isinstance(side, LocalEngine):
-            side.keep_rate_estimate = float(self.state.keep_rate_estimate)
+        if self.state.keep_rate_estimate is None:
+            self.state.keep_rate_estimate = side.initial_keep_rate
 
     @property
     def keep_rate_estimate(self) -> float | None:
-        """The filter's keep-rate prior as of the last round taken (`RoundState` owns it; sides read and update it)."""
+        """The filter's keep-rate prior as of the last round taken (`RoundState` owns it)."""
         return self.state.keep_rate_estimate
 
     # ------------------------------------------------------------------------------------------ training
@@ -154,10 +177,13 @@ class RoundProducer:
         link, state, round_index, waiting = self.link, self.state, self.state.completed, time.time()
         sampler = self.sampler if self.sampler is not None else link.sampler()
         start = sampler.state_dict() if sampler is not None else None
-        self._round_start = (link.progress()[0], sampler, start, self.keep_rate_estimate)
+        self._round_start = RoundStart(link.progress()[0], sampler, start, self.keep_rate_estimate)
         # a failure from here to the round's first optimizer step rewinds to this (`rewind`, from on_exception)
-        groups, stats, generation = self.side.generate(link, state, sampler, self.spec.seed)
-        self.timeline = {"round": round_index, "waiting": waiting, "generation": generation, "taken": time.time()}
+        result = self.side.generate(link, state.position(), sampler, self.spec.seed)
+        self._record(result, sampler)
+        groups, stats = result.groups, dict(result.stats)
+        timeline = {"round": round_index, "waiting": waiting, "generation": result.generation}
+        self.timeline = {**timeline, "taken": time.time()}
         state.current = build_round(
             groups,
             num_minibatches=self.algo.num_minibatches,
@@ -180,6 +206,13 @@ class RoundProducer:
         state.report = round_report(round_index, groups, stats)
         return stats
 
+    def _record(self, result: RoundResult, sampler) -> None:
+        """What a round changed, into the round state (and the trainer's sampler, which checkpoints save)."""
+        self.state.engine_version = result.engine_version
+        self.state.keep_rate_estimate = result.keep_rate
+        if result.sampler_state is not None:  # the engine process drew the prompts: round r+1 starts where it ended
+            sampler.load_state_dict(result.sampler_state)
+
     def _agree_counts(self):
         """Ranks' micro-batch counts differ (token packing; episodes split into several samples); every rank runs the
         most any rank has, since each backward is a collective under DDP and FSDP."""
@@ -192,12 +225,11 @@ class RoundProducer:
         6). Once a step of the round is trained (the optimizer stepped: `global_step` moved, even if a later hook of
         that step failed) the round counts as consumed, as for any mid-round checkpoint."""
         start, self._round_start = self._round_start, None
-        if start is None or self.state.cursor > 0 or global_step != start[0]:
+        if start is None or self.state.cursor > 0 or global_step != start.global_step:
             return
-        _, sampler, sampler_state, keep_rate = start
-        if sampler is not None and sampler_state is not None:
-            sampler.load_state_dict(sampler_state)
-        self.state.keep_rate_estimate = keep_rate  # the next round's generate hands it to the filter
+        if start.sampler is not None and start.sampler_state is not None:
+            start.sampler.load_state_dict(start.sampler_state)
+        self.state.keep_rate_estimate = start.keep_rate  # the next round's generate hands it to the filter
         self.state.current = None
 
     def step_done(self) -> dict | None:
@@ -217,7 +249,7 @@ class RoundProducer:
     # ------------------------------------------------------------------------------------------ evaluation
     def push(self) -> None:
         """The current weights into the engine (before validation/test: predictions at the current weights)."""
-        self.side.push(self.link, self.state, self.sampler)
+        self.state.engine_version = self.side.push(self.link, self.state.position(), self.sampler)
 
     def predict(self, items: list) -> list:
         return self.side.predict(items, self.state.completed, self.spec.eval_batch_size)
@@ -226,8 +258,8 @@ class RoundProducer:
         self.side.sleep()
 
     def close(self) -> None:
-        if self.side is not None:
-            self.side.close(self.state)
+        if self.side is not None and self.side.close():
+            self.state.engine_version = -1  # the engine and its weights are gone: the next push sends them
 
     # ------------------------------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

@@ -17,24 +17,26 @@ are what the over-sampling asks for, carried ones included. The age bound select
 long ones), so the round logs the dropped groups' episode length beside the kept ones'; each token counts in
 `rollout/generated_tokens` of the round that generated it (`CarriedGroup.counted`); `close` logs the groups still
 carried when the run ends.
+
+`sample_round` reads as its steps: `_prompts_to_ask` (over-sampling), `_call` (one engine call, full or partial),
+`_judge` (the filter's verdict on the call's groups), `RoundTally.add` (the running totals, `dspo.rollout.tally`) and
+the keep-rate prior's update; `RoundTally.result` gives the round's statistics.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
 from dspo.agent.accounting import CALL_STAT_KINDS
 from dspo.agent.partial import CarriedGroup, token_staleness
-from dspo.agent.stats import Kind, kind_of
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.rounds import PromptSampler
-from dspo.rollout.roles import RoleStats, interleaved
-from dspo.search.cache import cache_counts, cache_hit_rate
+from dspo.rollout.roles import interleaved
+from dspo.rollout.tally import EngineCall, RoundTally, ToolAndRewardStats, Verdict
 from dspo.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -42,36 +44,6 @@ log = logging.getLogger(__name__)
 
 class SamplingExhausted(RuntimeError):
     """The filter kept too few groups within `max_sampling_rounds` engine calls."""
-
-
-class ToolAndRewardStats:
-    """The environment's per-tool and per-reward-component statistics of a round, folded over its engine calls by
-    each key's declared kind (`dspo.agent.stats`, `kinds`: the agent's `stat_kinds`): counts
-    (`rollout/invalid/<tool>/<kind>`, `rollout/tool_errors/<tool>`, the endpoint's `rollout/prefix_breaks` and
-    `rollout/agent_errors`, `rollout/compactions`) add up, means (`rollout/calls/<tool>`, `rollout/samples_per_episode`,
-    `reward/<component>`, `rollout/tool/<tool>/<metric>`) are weighted by the trajectories of the calls that
-    reported them; call-only figures are left out (the round computes its own); an undeclared key is kept as a
-    mean."""
-
-    def __init__(self, kinds: Mapping[str, Kind] = CALL_STAT_KINDS) -> None:
-        self.kinds = kinds
-        self.sums: dict[str, float] = {}
-        self.weighted: dict[str, float] = {}
-        self.weights: dict[str, int] = {}
-
-    def add(self, stats: dict[str, float], trajectories: int) -> None:
-        for key, value in stats.items():
-            kind = kind_of(key, self.kinds)
-            if kind is Kind.SUM:
-                self.sums[key] = self.sums.get(key, 0.0) + value
-            elif kind is Kind.MEAN:
-                self.weighted[key] = self.weighted.get(key, 0.0) + value * trajectories
-                self.weights[key] = self.weights.get(key, 0) + trajectories
-
-    def result(self) -> dict[str, float]:
-        means = {key: value / max(self.weights[key], 1) for key, value in self.weighted.items()}
-        named = {**self.sums, **means}
-        return {(key if key.startswith("reward/") else f"rollout/{key}"): value for key, value in named.items()}
 
 
 class RoundSampler:
@@ -111,109 +83,74 @@ class RoundSampler:
         """Fill this rank's share of B mixed groups of round `round_index` (default: `policy_version`, the
         synchronous round) sampled by the weights of `policy_version`. Returns the groups and rollout statistics."""
         round_index = policy_version if round_index is None else round_index
-        dropped: list[CarriedGroup] = []  # dropped by age in this round (partial rollouts)
-        kept: list[RolloutGroup] = []
-        sampled = passed = calls = tokens = kept_tokens = tool_calls = invalid = trajectories = truncated = failed = 0
-        resolved_tokens = 0  # of the groups that finished or were dropped in this round: what the waste is a share of
-        reward_sum = searched_reward = 0.0
-        unsearched = 0  # episodes that answered without a tool call (the guard's no_search detector)
-        prompts = 0  # prompts drawn by full calls (with `sampled`: the groups an agent returns per prompt)
-        details = ToolAndRewardStats(getattr(self.agent, "stat_kinds", CALL_STAT_KINDS))
-        roles = RoleStats()  # rollout/<role>/<stat>, logged only when the agent played a role besides the default
-        retriever = getattr(self.agent, "retriever", None)
-        retries_before = getattr(retriever, "retries", 0)  # RemoteRetriever's waits; in-process indexes have none
-        cache_before = cache_counts(retriever)
-        start = time.perf_counter()
-        while not all_done(len(kept) >= self.local_target):
-            if calls >= self.spec.max_sampling_rounds:
-                raise SamplingExhausted(
-                    f"only {len(kept)}/{self.local_target} groups passed filter '{self.spec.filter}' after "
-                    f"{calls} engine calls ({sampled} groups sampled). Raise algorithm.max_sampling_rounds, lower "
-                    "algorithm.batch_groups, or use a policy whose rewards are neither all 0 nor all 1 per prompt."
-                )
-            calls += 1
-            missing = self.local_target - len(kept)
+        kinds = getattr(self.agent, "stat_kinds", CALL_STAT_KINDS)
+        retriever = getattr(self.agent, "retriever", None)  # its waits and cache hits in this round are logged
+        tally = RoundTally(self.local_target, self.spec.group_size, ToolAndRewardStats(kinds), retriever)
+        while not all_done(tally.full):
+            self._check_not_exhausted(tally)
+            tally.calls += 1
+            missing = self.local_target - len(tally.kept)
             if missing <= 0:
                 continue  # this rank is full; it keeps answering the collective until every rank is
-            n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / self.keep_rate_estimate))
-            if prompts and sampled > prompts:  # an agent of several roles returns more than one group per prompt
-                rate = self.keep_rate_estimate * sampled / prompts
-                n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / rate))
-            if self.max_token_age is None:
-                drawn = sampler.take(n_prompts)
-                result = self.agent.rollout(
-                    [item for _, item in drawn], self.spec.group_size, policy_version, seed=seed + calls
-                )
-                groups, stats = interleaved(result.groups), result.stats
-                for group, (index, _) in zip(result.groups, drawn):
-                    group.prompt_index = index
-                for group in result.groups[len(drawn) :]:  # another role's, numbered by the item it was built from
-                    if 0 <= group.prompt_index < len(drawn):
-                        group.prompt_index = drawn[group.prompt_index][0]
-                prompts += len(drawn)
-                tokens += sum(t.num_generated_tokens for group in groups for t in group.trajectories)
-            else:
-                aged = self._drop_aged(round_index)
-                dropped += aged
-                resolved_tokens += sum(group.generated_tokens for group in aged)  # wasted; counted when generated
-                groups, stats, generated = self._partial_call(sampler, n_prompts, missing, policy_version, seed + calls)
-                tokens += generated
-                if not groups:
-                    continue
-            rewards = torch.stack([g.rewards for g in groups])  # [n, G] what the advantages use
-            keep = self.keep_filter(torch.stack([g.outcomes for g in groups]))  # Eq. 9 tests the 0/1 outcomes
-            # a failed episode (agent error, timeout) has no outcome: its group could pass as mixed and give the
-            # others advantages from a crash, so it is dropped before the filter's verdict counts
-            measured = torch.tensor([not g.failed for g in groups])
-            failed += int((~measured).sum())
-            keep = keep & measured
-            for group, keep_it in zip(groups, keep.tolist()):
-                n_tok = sum(t.num_generated_tokens for t in group.trajectories)
-                resolved_tokens += n_tok
-                taken = keep_it and len(kept) < self.local_target
-                if taken:
-                    kept.append(group)
-                    kept_tokens += n_tok
-                roles.add(group, keep_it, taken)
-            tool_calls += stats.get("tool_calls_mean", 0.0) * len(groups) * self.spec.group_size
-            invalid += stats.get("invalid_calls", 0.0)
-            details.add(stats, len(groups) * self.spec.group_size)
-            trajectories += len(groups) * self.spec.group_size
-            truncated += sum(t.truncated for group in groups for t in group.trajectories)
-            unsearched += sum(not t.num_tool_calls for group in groups for t in group.trajectories)
-            searched_reward += sum(t.reward for group in groups for t in group.trajectories if t.num_tool_calls)
-            reward_sum += float(rewards.sum())
-            sampled += len(groups)
-            passed += int(keep.sum())
-            observed = float(keep.float().mean())
-            self.keep_rate_estimate = max(0.05, 0.5 * self.keep_rate_estimate + 0.5 * observed)
-        elapsed = time.perf_counter() - start
-        partial = {} if self.max_token_age is None else self._partial_stats(kept, round_index, dropped)
-        return kept, {
-            **partial,
-            "rollout/keep_rate": passed / max(sampled, 1),  # filter pass rate; surplus groups count as passed
-            "rollout/groups_kept": float(len(kept)),
-            "rollout/groups_sampled": float(sampled),
-            "rollout/groups_failed": float(failed),  # dropped: an episode failed outside the policy (no outcome)
-            "rollout/engine_calls": float(calls),
-            "rollout/wasted_token_share": 1.0 - kept_tokens / max(resolved_tokens, 1),
-            "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
-            "rollout/tool_calls_mean": tool_calls / max(trajectories, 1),
-            "rollout/invalid_calls": float(invalid),
-            "rollout/sampled_reward_mean": reward_sum / max(trajectories, 1),
-            # sampled episodes that ran out of turns or tokens before an answer (deep questions, experiment=toy_deep)
-            "rollout/truncated_share": truncated / max(trajectories, 1),
-            "rollout/no_search_share": unsearched / max(trajectories, 1),
-            "rollout/searched_reward_mean": searched_reward / max(trajectories - unsearched, 1),
-            # every token generated in this round, filtered-out groups included (with partial rollouts: the tokens of
-            # carried groups count in the round that generated them, not in the one they finish or are dropped in)
-            "rollout/generated_tokens": float(tokens),
-            "rollout/time_s": elapsed,
-            "rollout/retriever_retries": float(getattr(retriever, "retries", 0) - retries_before),
-            **cache_hit_rate(cache_before, cache_counts(retriever)),
-            **details.result(),
-            **roles.result(),
-        }
+            n_prompts = self._prompts_to_ask(missing, tally)
+            call = self._call(sampler, n_prompts, missing, policy_version, seed + tally.calls, round_index)
+            if call.partial and not call.groups:  # every group of the call is still running: carried
+                tally.add(call, None)
+                continue
+            verdict = self._judge(call.groups)
+            tally.add(call, verdict)
+            self.keep_rate_estimate = max(0.05, 0.5 * self.keep_rate_estimate + 0.5 * verdict.pass_rate)
+        partial = {} if self.max_token_age is None else self._partial_stats(tally.kept, round_index, tally.dropped)
+        return tally.kept, tally.result(partial)
+
+    def _check_not_exhausted(self, tally: RoundTally) -> None:
+        if tally.calls >= self.spec.max_sampling_rounds:
+            raise SamplingExhausted(
+                f"only {len(tally.kept)}/{self.local_target} groups passed filter '{self.spec.filter}' after "
+                f"{tally.calls} engine calls ({tally.sampled} groups sampled). Raise algorithm.max_sampling_rounds, "
+                "lower algorithm.batch_groups, or use a policy whose rewards are neither all 0 nor all 1 per prompt."
+            )
+
+    def _prompts_to_ask(self, missing: int, tally: RoundTally) -> int:
+        """Over-sampling: the prompts the next call asks for to keep `missing` more groups at the keep-rate prior
+        (bounded by algorithm.max_prompts_per_call)."""
+        n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / self.keep_rate_estimate))
+        if tally.prompts and tally.sampled > tally.prompts:  # an agent of several roles returns more than one group
+            rate = self.keep_rate_estimate * tally.sampled / tally.prompts  # per prompt
+            n_prompts = min(self.spec.max_prompts_per_call, math.ceil(missing / rate))
+        return n_prompts
+
+    def _call(
+        self, sampler: PromptSampler, n_prompts: int, missing: int, policy_version: int, seed: int, round_index: int
+    ) -> EngineCall:
+        """One engine call: `n_prompts` new prompts rolled out to the end, or (partial rollouts) a resumable call with
+        the carried groups, after dropping those too old for `round_index`."""
+        if self.max_token_age is None:
+            return self._full_call(sampler, n_prompts, policy_version, seed)
+        aged = self._drop_aged(round_index)
+        groups, stats, generated = self._partial_call(sampler, n_prompts, missing, policy_version, seed)
+        return EngineCall(groups, stats, generated, dropped=aged, partial=True)
+
+    def _full_call(self, sampler: PromptSampler, n_prompts: int, policy_version: int, seed: int) -> EngineCall:
+        drawn = sampler.take(n_prompts)
+        result = self.agent.rollout([item for _, item in drawn], self.spec.group_size, policy_version, seed=seed)
+        groups = interleaved(result.groups)
+        for group, (index, _) in zip(result.groups, drawn):
+            group.prompt_index = index
+        for group in result.groups[len(drawn) :]:  # another role's, numbered by the item it was built from
+            if 0 <= group.prompt_index < len(drawn):
+                group.prompt_index = drawn[group.prompt_index][0]
+        tokens = sum(t.num_generated_tokens for group in groups for t in group.trajectories)
+        return EngineCall(groups, result.stats, tokens, prompts=len(drawn))
+
+    def _judge(self, groups: list[RolloutGroup]) -> Verdict:
+        """The filter's verdict on a call's finished groups. A failed episode (agent error, timeout) has no outcome:
+        its group could pass as mixed and give the others advantages from a crash, so it is dropped before the
+        filter's verdict counts."""
+        rewards = torch.stack([g.rewards for g in groups])  # [n, G] what the advantages use
+        keep = self.keep_filter(torch.stack([g.outcomes for g in groups]))  # Eq. 9 tests the 0/1 outcomes
+        measured = torch.tensor([not g.failed for g in groups])
+        return Verdict(rewards, keep & measured, failed=int((~measured).sum()))
 
     # ------------------------------------------------------------------------------------------ partial rollouts
     def _drop_aged(self, round_index: int) -> list[CarriedGroup]:
@@ -277,7 +214,7 @@ class RoundSampler:
         if groups:
             log.warning(
                 "partial rollouts: %d groups (%d generated tokens) were still carried when the run ended; they are "
-                "never trained (docs/training.md#partial-rollouts)",
+                "never trained (docs/async.md#partial-rollouts)",
                 groups,
                 tokens,
             )

@@ -1,22 +1,21 @@
-"""What the engine process is built from (`WorkerSpec`), what it sends back for a round (`SampledRound`), and the
-rules both sides keep (how often a waiting side polls, each round's seed). Below both sides: the trainer's handle
-(`dspo.rollout.worker`) and the engine process's loop (`dspo.rollout.serve`) import it, and neither imports the
-other's module back."""
+"""What an engine side is built from (`WorkerSpec`: in this process, or in the engine process) and the rules both
+ends of the engine process keep (how often a waiting side polls, each round's seed). Below both: the trainer's handle
+(`dspo.rollout.engine_process`) and the engine process's loop (`dspo.rollout.engine_process_main`) import it, and
+neither imports the other's module back; what they send each other is `dspo.rollout.messages`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-from dspo.types import RolloutGroup
 
 POLL_S = 0.5  # how often a waiting side checks that the other is still alive
 
 
 @dataclass
 class WorkerSpec:
-    """Everything the engine process builds its side from (pickled once, at spawn)."""
+    """Everything an engine side is built from: in this process at max_staleness 0, else in the engine process
+    (pickled once, at spawn)."""
 
     engine: Callable[..., Any]  # partial constructor taking model_path (conf/rollout/*.yaml `engine`)
     agent: Any  # rollout.agent: the agent's constructor (dspo.agent.build_agent completes it: engine, tokenizer, env)
@@ -37,19 +36,6 @@ class WorkerSpec:
     # rollout.partial_rollouts: the most rounds a carried group's oldest tokens may be behind the round that trains
     # them (rollout.max_token_age; None: partial rollouts off, every round runs its groups to the end)
     max_token_age: int | None = None
-
-
-@dataclass
-class SampledRound:
-    """One round as the engine process produced it. Groups are this rank's share, unbuilt (the trainer pads them)."""
-
-    index: int  # round r
-    groups: list[RolloutGroup]  # [B / world] kept groups
-    stats: dict[str, float]  # RoundSampler.sample_round's statistics
-    weights_round: int  # completed rounds of the weights that sampled it (every trajectory's newest tokens)
-    end_state: dict[str, Any] = field(default_factory=dict)  # sampler + keep-rate prior after it: round r+1's start
-    idle_s: float = 0.0  # time the engine process waited for weights before starting it
-    generation: tuple[float, float] = (0.0, 0.0)  # time.time() when its generation started and ended
 
 
 def round_seed(seed: int, round_index: int) -> int:

@@ -324,7 +324,8 @@ class CollectiveTransfer:
             with self._ready:
                 self._failure = error
                 self._ready.notify_all()
-            report = getattr(self, "on_failure", None)  # the engine process's: report and exit (dspo.rollout.serve)
+            # the engine process's: report and exit (dspo.rollout.engine_process_main)
+            report = getattr(self, "on_failure", None)
             if report is not None:
                 report("".join(traceback.format_exception(error)))
 

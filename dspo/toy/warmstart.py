@@ -20,7 +20,7 @@ under-searching of instruct models on multi-hop questions that Search-R1-style R
 The repository ships the result for the default config (`data/toy_warmstart`, rebuilt by `python -m
 dspo.toy.rebuild --update-shipped`); `prepare_toy_default` adopts it when the manifests match (`dspo.toy.shipped`).
 experiment=toy_deep ships a fine-tune of it (`data/toy_deep_warmstart/model`, `deep_demos`): the default never saw a
-chain longer than two hops and, from it, RL never completed a third (measured, docs/toyworld.md).
+chain longer than two hops and, from it, RL never completed a third (measured, docs/toy-deep.md).
 
 Everything is cached: `prepare_toy_default` reuses a world, tokenizer and model whose manifests match the config.
 """

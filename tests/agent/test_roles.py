@@ -11,7 +11,7 @@ from dspo.agent.roles import FailureRateReward, Role, RoleAgent, derived_item, o
 from dspo.agent.stats import Kind
 from dspo.agent.tool_calling import ToolCallingAgent
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.data.buffer import build_round
+from dspo.data.round_builder import build_round
 from dspo.data.rounds import PromptSampler
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment

@@ -274,3 +274,30 @@ def test_split_episodes_have_the_gradient_and_loss_of_the_same_episodes_unsplit(
     torch.testing.assert_close(split_grad, whole_grad, atol=1e-6, rtol=1e-5)
     for key, value in whole_stats.items():
         torch.testing.assert_close(split_stats[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_an_empty_batch_with_episode_ids_has_no_ratios():
+    """No rows (a rank with nothing to train in a micro-batch): empty outputs, no error from an empty id tensor."""
+    from dspo.algorithms.blocks import episode_ratio
+
+    ratio, lengths, first = episode_ratio(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+    assert ratio.shape == lengths.shape == first.shape == (0,)
+
+
+def test_an_objective_record_says_what_its_registration_declares():
+    """`register_objective`'s facts reach the record the trainer reads: a plug-in that declares nothing gets one
+    advantage per sequence and no episode ids; one that declares both gets them (dspo/gspo take episodes, grpo/dapo
+    per-token advantages)."""
+    from dspo.algorithms.losses import OBJECTIVES, register_objective, sequence_clip_loss
+
+    try:
+        register_objective("plain_70")(sequence_clip_loss)
+        register_objective("both_70", token_advantages=True, takes_episodes=True)(sequence_clip_loss)
+        plain, both = OBJECTIVES["plain_70"], OBJECTIVES["both_70"]
+        assert (plain.token_advantages, plain.takes_episodes) == (False, False)
+        assert (both.token_advantages, both.takes_episodes) == (True, True)
+    finally:
+        OBJECTIVES.pop("plain_70")
+        OBJECTIVES.pop("both_70")
+    assert OBJECTIVES["dspo"].takes_episodes and not OBJECTIVES["dspo"].token_advantages
+    assert OBJECTIVES["grpo"].token_advantages and not OBJECTIVES["grpo"].takes_episodes

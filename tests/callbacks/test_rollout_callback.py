@@ -21,7 +21,7 @@ from dspo.models import ModelConfig
 from dspo.models.weights import policy_weights
 from dspo.module import DSPOModule
 from dspo.rollout.link import TrainerLink
-from dspo.rollout.sides import LocalEngine
+from dspo.rollout.sides import InProcessSide
 from dspo.testing import RecordingEngine, build_toy_lm, toy_run
 
 
@@ -249,7 +249,7 @@ def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_pa
     calls = []
     monkeypatch.setattr(pipeline, "predict", lambda agent, items, size, **kw: calls.append((agent, items, size, kw)))
     callback = RolloutCallback(None, None, None, AlgorithmConfig(), ModelConfig("unused"), eval_batch_size=5)
-    callback.producer.attach(LocalEngine(None, "agent", None))
+    callback.producer.attach(InProcessSide(None, "agent", None))
     callback.producer.state.completed = 7
     callback.predict(["q"])
     assert calls == [("agent", ["q"], 5, {"policy_version": 7, "progress": False})]
@@ -302,7 +302,7 @@ def test_error_and_log_messages_word_for_word(lm_dir, tmp_path, caplog):
 
 def test_validation_and_test_first_push_weights_that_changed():
     callback, engine = _callback(), RecordingEngine(version=0)
-    callback.producer.attach(LocalEngine(engine, None, None))
+    callback.producer.attach(InProcessSide(engine, None, None))
     module = {"root": _Root(weights_version=0)}  # the module the trainer holds, as `trainer_link` reads it
     trainer = SimpleNamespace(strategy=SimpleNamespace(model=None))
     callback.producer.link = TrainerLink(

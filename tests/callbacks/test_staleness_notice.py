@@ -9,7 +9,7 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.callbacks.rollout_callback import RolloutCallback
 from dspo.models import ModelConfig
 
-LOGGER = "dspo.callbacks.rollout_callback"
+LOGGER = "dspo.rollout.settings"  # where RolloutCallback's settings are checked
 
 
 def _build(mode: str, max_staleness: int, caplog) -> list[logging.LogRecord]:

@@ -7,7 +7,7 @@ import torch
 
 from dspo.algorithms.advantages import group_advantages
 from dspo.algorithms.rollout_correction import correction_weights
-from dspo.data.buffer import build_round, collate_trajectories, padding_share
+from dspo.data.round_builder import build_round, collate_trajectories, padding_share
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 QWEN_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizers" / "qwen2.5"
@@ -286,7 +286,7 @@ def test_turn_credit_with_ragged_turns_pools_the_groups_step_rewards():
     -> (1/3, -2/3, 1/3) / 0.57735 = (0.57735, -1.1547, 0.57735). Step rewards pooled over the group: B's 0.2 and 0.6,
     C's 0.2, 0.2 (its 3 other turns None): values 0.2, 0.6, 0.2, 0.2, mean 0.3, deviations (-0.1, 0.3, -0.1, -0.1),
     unbiased var (0.01 * 3 + 0.09) / 3 = 0.04, std 0.2 -> (-0.5, 1.5, -0.5, -0.5); A's one turn gets the level only."""
-    from dspo.data.buffer import turn_credit
+    from dspo.data.round_builder import turn_credit
 
     a = _turn_trajectory(1.0, 0.0, [], [(0, 2)], 2)  # one turn, no step rewards recorded
     b = _turn_trajectory(0.0, 0.0, [0.2, None, 0.6], [(0, 1), (2, 3), (4, 5)], 5)

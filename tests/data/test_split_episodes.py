@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.data.buffer import build_round, episode_samples
+from dspo.data.round_builder import build_round, episode_samples
 from dspo.models import ModelConfig
 from dspo.module import DSPOModule, OptimizerConfig
 from dspo.testing import build_toy_lm, split_episode

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspo.algorithms.config import AlgorithmConfig
-from dspo.data.buffer import build_round, pack_by_tokens, split_to
+from dspo.data.round_builder import build_round, pack_by_tokens, split_to
 from dspo.module import DSPOModule
 from dspo.testing import build_toy_lm, toy_run
 from dspo.types import QAItem, RolloutGroup, Trajectory

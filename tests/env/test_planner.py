@@ -20,7 +20,7 @@ from dspo.env.rewards import EpisodeRecord, TurnRecord
 from dspo.env.tools import InvalidCall, ToolResult
 from dspo.resources import data_dir
 from dspo.rollout.link import TrainerLink
-from dspo.rollout.sides import LocalEngine
+from dspo.rollout.sides import InProcessSide
 from dspo.testing import compose_config
 from dspo.types import Passage, QAItem
 
@@ -178,13 +178,13 @@ def test_the_answerer_reads_each_result_cut_to_the_tokens_the_planner_saw(qwen_t
 
 # ------------------------------------------------------------------------------------------ frozen
 def test_the_answerer_is_loaded_once_frozen_and_no_weight_push_reaches_it():
-    """The policy's engine and the answerer hold the same warm start; a push of trained weights (what LocalEngine does
+    """The policy's engine and the answerer hold the same warm start; a push of trained weights (what InProcessSide does
     after each optimizer step) changes the policy's engine only: the answerer's parameters and answers stay."""
     policy = HFEngine(model_path=SHIPPED)
     answerer, asker = (EngineAnswerer(SHIPPED, partial(HFEngine), max_turns=3) for _ in range(2))
     tools = {"search": SearchTool(TitleRetriever(), topk=1), "ask": AskAnswererTool(asker)}
     env = Environment(tools, PlannerReward(answerer))
-    side = LocalEngine(policy, ToolCallingAgent(policy, None, env, tag_format="searchr1", max_turns=3), None)
+    side = InProcessSide(policy, ToolCallingAgent(policy, None, env, tag_format="searchr1", max_turns=3), None)
     think = "<think>I need the birthplace of Jetham Jibex.</think>\n<search> Jetham Jibex </search>"
     request = AnswerRequest("Where was Jetham Jibex born?", [searched("Jetham Jibex", JETHAM)], key="k")
     request.turns[0].text = think

@@ -97,6 +97,41 @@ def test_export_checkpoint_errors(tiny_model: str, tmp_path: Path) -> None:
         export_checkpoint(str(tmp_path / "pickled.ckpt"), str(tmp_path / "x"))
 
 
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
+def test_the_end_of_training_and_dspo_eval_write_one_model_folder(tmp_path: Path, lora) -> None:
+    """Issue 71 (3): one exporter (`dspo.models.export`). The model folder the end of training writes and the one
+    dspo-eval writes from that run's checkpoint hold the same files, the same tensors (merged LoRA weights, and the
+    adapter folder beside them) and the same run record; only config.json comes from another source (the model in
+    memory, the base model folder)."""
+    from safetensors.torch import load_file
+
+    from dspo.testing import build_toy_lm, toy_run
+
+    lm_dir = build_toy_lm(str(tmp_path / "toy_lm"))
+    run = toy_run(lm_dir, str(tmp_path / "run"), 2, lora=lora)
+    run.module.run_record = {"format": 1, "config": {"rollout": {"agent": {"max_turns": 3}}}}
+    torch.manual_seed(0)  # peft draws A at random when the model is built
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    run.trainer.save_checkpoint(str(tmp_path / "last.ckpt"))
+    trained = Path(run.callback.exported_to)
+    exported, step = export_checkpoint(str(tmp_path / "last.ckpt"), str(tmp_path / "exported"), model_path=lm_dir)
+    assert step == 2
+    folders = [(trained, Path(exported))]
+    if lora is not None:
+        folders.append((trained.with_name("model_adapter"), tmp_path / "exported_adapter"))
+    for from_training, from_checkpoint in folders:
+        names = sorted(path.name for path in from_training.iterdir())
+        assert names == sorted(path.name for path in from_checkpoint.iterdir())
+        for name in names:
+            if name.endswith(".safetensors"):
+                ours, theirs = load_file(str(from_training / name)), load_file(str(from_checkpoint / name))
+                assert ours.keys() == theirs.keys()
+                assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+            elif name != "config.json":
+                assert (from_training / name).read_bytes() == (from_checkpoint / name).read_bytes(), name
+    assert json.loads((trained / "dspo_run.json").read_text())["step"] == 2
+
+
 def test_load_eval_sets_shapes(tmp_path: Path) -> None:
     benchmarks = OmegaConf.create(
         {

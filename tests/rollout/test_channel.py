@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dspo.data.datamodule import PromptSampler
-from dspo.rollout.worker import EngineProcess, EngineProcessDied, EngineProcessError
+from dspo.rollout.engine_process import EngineProcess, EngineProcessDied, EngineProcessError
 from dspo.testing import midsize_agent, toy_items, toy_run, worker_spec
 from dspo.testing import within as _within
 

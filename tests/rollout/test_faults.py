@@ -19,9 +19,9 @@ import torch
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
+from dspo.rollout.engine_process import EngineProcess, EngineProcessDied
 from dspo.rollout.faults import FaultInjected, fault_point, parse_faults
 from dspo.rollout.transfer import PeerGone, SharedMemoryTransfer
-from dspo.rollout.worker import EngineProcess, EngineProcessDied
 from dspo.testing import recording_engine, toy_items, toy_run, worker_spec
 from dspo.testing import within as _within
 
@@ -111,7 +111,7 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
 from dspo.rollout.spec import WorkerSpec
-from dspo.rollout.worker import EngineProcess
+from dspo.rollout.engine_process import EngineProcess
 from dspo.testing import StandInTokenizer, recording_engine, slow_agent, toy_items
 
 if __name__ == "__main__":
@@ -165,7 +165,7 @@ def test_an_engine_process_orphaned_mid_generation_exits_at_once_and_leaves_no_s
 LEFT_OPEN = """
 import sys, torch
 from dspo.data.datamodule import PromptSampler
-from dspo.rollout.worker import EngineProcess
+from dspo.rollout.engine_process import EngineProcess
 from dspo.testing import toy_items, worker_spec
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ import pickle
 import pytest
 
 from dspo.rollout import messages
-from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, RoundDone, Stop
-from dspo.rollout.spec import SampledRound
+from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, RoundDone, SampledRound, Stop
 
 EXAMPLES = [
     LoadWeights(3, (12, 100)),
@@ -17,6 +16,7 @@ EXAMPLES = [
     Stop(),
     Ready(1234, "turn"),
     RoundDone(SampledRound(2, [], {"rollout/keep_rate": 0.5}, 1)),
+    SampledRound(3, [], {}, 2, sampler_state={"epoch": 0, "position": 8, "seed": 0}, keep_rate=0.25),
     Predictions(1, ["answer"]),
     Failed("Traceback ..."),
 ]

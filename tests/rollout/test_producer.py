@@ -17,8 +17,8 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.models import ModelConfig
 from dspo.models.weights import policy_weights
 from dspo.rollout.link import TrainerLink
-from dspo.rollout.producer import RoundProducer, RoundState
-from dspo.rollout.sides import EngineProcessSide, LocalEngine
+from dspo.rollout.producer import RoundProducer, RoundStart, RoundState
+from dspo.rollout.sides import EngineProcessSide, InProcessSide, RoundPosition
 from dspo.rollout.spec import WorkerSpec
 from dspo.testing import RecordingEngine
 
@@ -41,7 +41,7 @@ def _link(root, **fields) -> TrainerLink:
 
 def test_the_version_guard_stops_a_round_sampled_from_stale_weights():
     producer = _producer()
-    producer.attach(LocalEngine(RecordingEngine(version=5), None, None))
+    producer.attach(InProcessSide(RecordingEngine(version=5), None, None))
     producer.state.completed = 3
     producer.state.engine_version = 2  # the push below is skipped, as the bug the guard is for would skip it
     producer.link = _link(_Root(weights_version=2))
@@ -63,7 +63,7 @@ def test_resume_mid_round_starts_a_fresh_round_restores_rng_and_forces_a_push():
     assert (fresh.state.completed, fresh.state.cursor, fresh.state.current) == (5, 0, None)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     engine = RecordingEngine(version=0)
-    fresh.attach(LocalEngine(engine, None, None))
+    fresh.attach(InProcessSide(engine, None, None))
     root = _Root(weights_version=0)  # even at the engine's own version number: the engine holds the initial weights
     fresh.link = _link(root)
     fresh.push()
@@ -79,7 +79,7 @@ def test_resume_mid_round_starts_a_fresh_round_restores_rng_and_forces_a_push():
 def test_counters_and_the_keep_rate_estimate_survive_a_checkpoint():
     producer = _producer()
     producer.state.completed, producer.state.generated_tokens_total = 3, 1234.0
-    producer.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.42)))
+    producer.attach(InProcessSide(None, None, SimpleNamespace(keep_rate_estimate=0.42)))
     state = producer.state_dict()
     assert (state["rounds_completed"], state["generated_tokens_total"], state["keep_rate_estimate"]) == (
         3,
@@ -90,18 +90,19 @@ def test_counters_and_the_keep_rate_estimate_survive_a_checkpoint():
     restored.load_state_dict(state)
     assert (restored.state.completed, restored.state.generated_tokens_total) == (3, 1234.0)
     assert restored.state.engine_version == -1  # the engine must be sent the restored weights
-    assert restored.keep_rate_estimate == 0.42  # kept until the engine side exists, then handed to its filter
-    restored.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
-    assert restored.side.round_sampler.keep_rate_estimate == 0.42
+    assert restored.keep_rate_estimate == 0.42  # kept, and handed to the filter when the next round starts
+    restored.attach(InProcessSide(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
+    assert restored.keep_rate_estimate == 0.42  # the restored prior, not the filter's own
     early = _producer()
-    early.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
+    early.attach(InProcessSide(None, None, SimpleNamespace(keep_rate_estimate=0.9)))
     early.load_state_dict(state)  # the side exists already (Lightning restores after setup)
     assert early.keep_rate_estimate == 0.42  # the round state's, handed to the filter when the next round starts
 
 
 def test_the_round_state_owns_the_keep_rate_prior_and_the_filter_reads_and_updates_it():
-    """Issue 52 (8): one owner of a round's state. The filter samples with the state's prior (restored or rewound)
-    and the state takes the filter's updated prior back after the round."""
+    """Issue 52 (8), issue 71 (3): one owner of a round's state. The filter samples with the state's prior (restored
+    or rewound); the side returns the filter's updated prior and the version it pushed, writing no state; the
+    producer records both."""
     from dspo.testing import RecordingEngine
 
     class Filter(SimpleNamespace):
@@ -109,11 +110,18 @@ def test_the_round_state_owns_the_keep_rate_prior_and_the_filter_reads_and_updat
             self.seen, self.keep_rate_estimate = self.keep_rate_estimate, 0.7
             return [], {}
 
-    side = LocalEngine(RecordingEngine(), None, Filter(keep_rate_estimate=0.9))
-    state = RoundState(keep_rate_estimate=0.3)
-    link = SimpleNamespace(weights_version=lambda: 0, weights=list, progress=lambda: (0, 1), all_true=bool)
-    side.generate(link, state, sampler=None, seed=0)
-    assert side.round_sampler.seen == 0.3 and state.keep_rate_estimate == 0.7
+    side = InProcessSide(RecordingEngine(), None, Filter(keep_rate_estimate=0.9))
+    state = RoundState(keep_rate_estimate=0.3, engine_version=-1)
+    link = SimpleNamespace(weights_version=lambda: 2, weights=list, progress=lambda: (0, 1), all_true=bool)
+    result = side.generate(link, state.position(), sampler=None, seed=0)
+    assert side.round_sampler.seen == 0.3 and (result.keep_rate, result.engine_version) == (0.7, 2)
+    assert result.sampler_state is None and (state.keep_rate_estimate, state.engine_version) == (0.3, -1)
+    producer = _producer()
+    producer.state = state
+    producer._record(result, sampler=None)
+    assert (state.keep_rate_estimate, state.engine_version) == (0.7, 2)
+    assert side.push(link, RoundPosition(completed=0, engine_version=2)) == 2  # unchanged weights: nothing sent
+    assert [version for version, _ in side.engine.pushes] == [2]
 
 
 def test_an_old_checkpoint_without_the_newer_counters_and_the_initial_state():
@@ -155,11 +163,11 @@ def test_setup_builds_engine_agent_and_environment_once_with_the_restored_keep_r
     producer.state.keep_rate_estimate = 0.25  # as load_state_dict leaves it when it runs before setup
     producer.setup(_link(_Root(0), world_size=2, rank=1), sampler="sampler")
     side = producer.side
-    assert built == [lm_dir] and isinstance(side, LocalEngine) and producer.sampler == "sampler"
+    assert built == [lm_dir] and isinstance(side, InProcessSide) and producer.sampler == "sampler"
     assert isinstance(side.agent, ToolCallingAgent) and side.agent.engine is side.engine
     assert side.agent.retriever == "retriever" and producer.tokenizer.pad_token_id is not None
     assert side.round_sampler.agent is side.agent and side.round_sampler.local_target == 2
-    assert side.round_sampler.keep_rate_estimate == 0.25
+    assert producer.keep_rate_estimate == 0.25  # the restored prior: the filter gets it when a round starts
     producer.setup(_link(_Root(0), world_size=2, rank=1), sampler=None)
     assert built == [lm_dir] and producer.side is side and producer.sampler == "sampler"
     ahead = RoundProducer(WorkerSpec(factory, AgentConfig(), "retriever", algo, model, 0, max_staleness=1))
@@ -178,12 +186,12 @@ def test_a_failure_rewinds_only_a_round_whose_optimizer_step_has_not_run():
     from dspo.testing import toy_items
 
     producer = _producer()
-    producer.attach(LocalEngine(None, None, SimpleNamespace(keep_rate_estimate=0.5)))
+    producer.attach(InProcessSide(None, None, SimpleNamespace(keep_rate_estimate=0.5)))
     sampler = PromptSampler(toy_items(), seed=0)
     start = sampler.state_dict()
     for global_step, rewound in ((4, True), (5, False)):
         sampler.load_state_dict(start)
-        producer._round_start = (4, sampler, sampler.state_dict(), 0.5)
+        producer._round_start = RoundStart(4, sampler, sampler.state_dict(), 0.5)
         sampler.take(3)  # the round drew its prompts
         producer.rewind(global_step)
         assert (sampler.state_dict() == start) is rewound, global_step
@@ -208,7 +216,7 @@ def test_rounds_driven_with_no_lightning_object(max_staleness):
     engine = RecordingEngine()
     if not max_staleness:  # the built-in side, with the stand-ins instead of a model's engine
         agent = ScriptedAgent()
-        producer.attach(LocalEngine(engine, agent, RoundSampler(agent, algorithm)))
+        producer.attach(InProcessSide(engine, agent, RoundSampler(agent, algorithm)))
     sampler = PromptSampler(toy_items(), seed=0)
     producer.setup(link, sampler)
     try:

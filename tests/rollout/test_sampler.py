@@ -252,7 +252,7 @@ def test_the_filter_tests_the_outcome_not_the_shaped_total():
 
 
 def test_tool_and_reward_statistics_add_up_over_engine_calls():
-    from dspo.rollout.sampler import ToolAndRewardStats
+    from dspo.rollout.tally import ToolAndRewardStats
 
     stats = ToolAndRewardStats()
     stats.add(
@@ -307,7 +307,7 @@ def test_stop_reasons_are_named_and_only_failures_count_as_failed():
 def test_a_statistic_of_no_declared_kind_is_kept_as_a_mean_and_warned_about(caplog):
     """Issue 52 (8): kinds are declared by the code that produces the statistic; a key no table declares is logged
     (as a per-trajectory mean) with a warning naming it, never dropped."""
-    from dspo.rollout.sampler import ToolAndRewardStats
+    from dspo.rollout.tally import ToolAndRewardStats
 
     stats = ToolAndRewardStats()
     with caplog.at_level(logging.WARNING, logger="dspo.agent.stats"):

@@ -19,8 +19,9 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.callbacks.rollout_callback import RolloutCallback
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
+from dspo.rollout.engine_process import EngineProcess, EngineProcessDied, EngineProcessError
 from dspo.rollout.placement import colocated_device, engine_devices_for, split_cores
-from dspo.rollout.worker import EngineProcess, EngineProcessDied, EngineProcessError, staleness_stats
+from dspo.rollout.producer import staleness_stats
 from dspo.testing import (
     recording_engine,
     report_environment_agent,
@@ -76,15 +77,15 @@ def test_bad_staleness_settings_are_refused_at_build_time(kwargs, message):
 
 
 def test_partial_rollouts_default_to_one_round_more_than_max_staleness():
-    from dspo.rollout.worker import check_partial
+    from dspo.rollout.settings import check_partial
 
     assert check_partial(False, None, 1) is None
     assert check_partial(True, None, 1) == 2 and check_partial(True, 4, 2) == 4
 
 
 def test_a_round_outside_its_bounds_is_refused():
-    from dspo.rollout.spec import SampledRound
-    from dspo.rollout.worker import check_round_bounds
+    from dspo.rollout.engine_process import check_round_bounds
+    from dspo.rollout.messages import SampledRound
 
     carried = _group([1, 1])  # oldest tokens from the weights after 1 round
     check_round_bounds(SampledRound(3, [carried], {}, weights_round=2), max_staleness=1, max_token_age=2)
@@ -134,7 +135,7 @@ def test_rounds_run_ahead_by_at_most_k_and_wait_for_the_weights_they_need():
             sampler = PromptSampler(toy_items(), seed=0)
             sampler.load_state_dict(start)
             assert [g.item.id for g in sampled.groups] == [item.id for _, item in sampler.take(len(sampled.groups))]
-            start = sampled.end_state["sampler"]
+            start = sampled.sampler_state
         assert (start["epoch"], start["position"]) > (0, 6)  # three rounds of 2 groups, with over-sampling
         os.kill(worker.pid, signal.SIGKILL)  # killed (the OOM killer's signal) while the trainer waits for it
         with pytest.raises(EngineProcessDied, match=r"exited with code -9 while the trainer waited for round 5"):
@@ -205,8 +206,8 @@ def test_weight_transfer_settings_are_checked():
     from functools import partial
 
     from dspo.engines import VLLMEngine
+    from dspo.rollout.engine_process import _engine_dtype
     from dspo.rollout.transfer import CollectiveTransfer
-    from dspo.rollout.worker import _engine_dtype
 
     # floating tensors travel in the engine's dtype (rollout.engine.dtype), integers as they are
     assert _engine_dtype(partial(VLLMEngine, dtype="bfloat16")) == torch.bfloat16
@@ -344,10 +345,10 @@ def test_preemption_saves_at_the_round_end_and_stops_the_engine_process(lm_dir, 
     preempt = Preempt(run.callback, at_step=2)
     run.trainer.callbacks.append(preempt)
     run.trainer.fit(run.module, datamodule=run.datamodule)
-    # the saver is a Checkpoint, so Lightning runs it after every other callback: the signal sent in step 2's hooks is
-    # seen at step 2's end, that round is saved, and the run stops
-    assert run.trainer.global_step == 2 and saver.saved_to == str(tmp_path / "ckpt" / "last.ckpt")
-    assert torch.load(saver.saved_to, weights_only=False)["global_step"] == 2
+    # Preempt was appended after the Trainer put its checkpoint callbacks last, so the saver checked step 2's end
+    # before the signal arrived: the next round (step 3) ends, is saved, and the run stops
+    assert run.trainer.global_step == 3 and saver.saved_to == str(tmp_path / "ckpt" / "last.ckpt")
+    assert torch.load(saver.saved_to, weights_only=False)["global_step"] == 3
     assert run.callback.producer.side.worker is None
     with pytest.raises(ProcessLookupError):  # stopped and reaped
         os.kill(preempt.engine_pid, 0)
@@ -359,7 +360,7 @@ from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.datamodule import PromptSampler
 from dspo.models import ModelConfig
 from dspo.rollout.spec import WorkerSpec
-from dspo.rollout.worker import EngineProcess
+from dspo.rollout.engine_process import EngineProcess
 from dspo.testing import StandInTokenizer, recording_engine, scripted_agent, toy_items
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from dspo.agent import AgentConfig
 from dspo.agent.build import build_agent
 from dspo.agent.endpoint import AgentFailureError, EndpointAgent
 from dspo.agent.tool_calling import ToolCallingAgent
-from dspo.data.buffer import build_round
+from dspo.data.round_builder import build_round
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment, SearchTool, SubEMReward
 from dspo.env.environment import resolve_agent

@@ -1,9 +1,9 @@
-"""The engine process's own side (issue 28; split from `dspo.rollout.worker`, which holds the trainer's handle).
+"""What runs in the engine process (issue 28; the trainer's handle on it is `dspo.rollout.engine_process`).
 
 `serve` is the spawned process's entry point: it watches its trainer (`_exit_with_the_trainer`), imports the run's
 `imports=`, pins its cores and threads, connects the weight transport, builds the environment, engine and agent
-(`EngineSide`), reports `Ready` and runs the loop: load weights between rounds, answer predictions, produce rounds
-within the staleness bound. Everything it raises reaches the trainer as a `Failed` reply with its traceback (the
+(`EngineProcessLoop`), reports `Ready` and runs the loop: load weights between rounds, answer predictions, produce
+rounds within the staleness bound. Everything it raises reaches the trainer as a `Failed` reply with its traceback (the
 messages: `dspo.rollout.messages`).
 """
 
@@ -22,13 +22,23 @@ from dataclasses import replace
 import torch
 
 from dspo.rollout.faults import fault_point
-from dspo.rollout.messages import Command, Failed, LoadWeights, Predict, Predictions, Ready, RoundDone, Stop
-from dspo.rollout.spec import POLL_S, SampledRound, WorkerSpec, round_seed
+from dspo.rollout.messages import (
+    Command,
+    Failed,
+    LoadWeights,
+    Predict,
+    Predictions,
+    Ready,
+    RoundDone,
+    SampledRound,
+    Stop,
+)
+from dspo.rollout.spec import POLL_S, WorkerSpec, round_seed
 from dspo.rollout.transfer import parent_alive
 from dspo.runtime import end_process
 
 
-class EngineSide:
+class EngineProcessLoop:
     """The engine process's loop: load weights between rounds, serve predictions, produce rounds within the bound."""
 
     def __init__(self, spec: WorkerSpec, sampler, keep_rate: float | None, first_round: int, channels) -> None:
@@ -127,9 +137,16 @@ class EngineSide:
         groups, stats = self.round_sampler.sample_round(
             self.sampler, policy_version=self.loaded_round, seed=round_seed(self.spec.seed, r), round_index=r
         )
-        end_state = {"sampler": self.sampler.state_dict(), "keep_rate_estimate": self.round_sampler.keep_rate_estimate}
-        timing = {"idle_s": self.idle_s, "generation": (started, time.time())}
-        sampled = SampledRound(r, groups, stats, self.loaded_round, end_state, **timing)
+        sampled = SampledRound(
+            r,
+            groups,
+            stats,
+            self.loaded_round,
+            sampler_state=self.sampler.state_dict(),  # round r+1's start
+            keep_rate=self.round_sampler.keep_rate_estimate,
+            idle_s=self.idle_s,
+            generation=(started, time.time()),
+        )
         self.results.put(RoundDone(sampled), point="engine.mid_write_round")
         self.next_round, self.idle_s = r + 1, 0.0
 
@@ -196,10 +213,10 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
         import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
         channels[2].on_failure = functools.partial(_receiver_failed, results)
         channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
-        side = EngineSide(spec, sampler, keep_rate, first_round, channels)
-        results.put(Ready(os.getpid(), side.credit))
-        side.run()
-        side.round_sampler.close()  # partial rollouts: says how many carried groups go untrained
+        loop = EngineProcessLoop(spec, sampler, keep_rate, first_round, channels)
+        results.put(Ready(os.getpid(), loop.credit))
+        loop.run()
+        loop.round_sampler.close()  # partial rollouts: says how many carried groups go untrained
         # rounds nobody will take may fill the pipe: without this, exiting waits for the trainer to read them
         results.cancel_join_thread()
     except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint

@@ -19,9 +19,11 @@ between the trainer rank and its engine process, received by a thread while the 
 process copies the newest weights into the engine with `push_weights` between rounds (docs/scaling.md; NCCL not run
 here: no GPU).
 
-This module is the trainer's handle (`EngineProcess`) and what travels between the two; the process's own loop is
-`dspo.rollout.serve`. Who drives it: `dspo.rollout.sides.EngineProcessSide` (the trainer side of a `RoundProducer`);
-where it runs (cores, threads, GPUs): `dspo.rollout.placement`.
+This module is the trainer's handle on the engine process (`EngineProcess`: start it, push weights, take rounds in
+order, ask for predictions, end it and what it started); what runs in the process is
+`dspo.rollout.engine_process_main`, what they say to each other `dspo.rollout.messages`. Who drives it:
+`dspo.rollout.sides.EngineProcessSide` (a `RoundProducer`'s engine side at k >= 1); where it runs (cores, threads,
+GPUs): `dspo.rollout.placement`.
 
 Faults (issue 38): the engine process is not daemonic, so vLLM's multiprocess executor (tensor_parallel_size > 1) and
 tools backed by process pools may start children there; it watches its trainer instead (`_exit_with_the_trainer`: a
@@ -51,10 +53,20 @@ from typing import Any
 import torch
 
 from dspo.rollout.channel import Replies, ReplySender
+from dspo.rollout.engine_process_main import serve
 from dspo.rollout.faults import fault_point
-from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, Reply, RoundDone, Stop
-from dspo.rollout.serve import serve
-from dspo.rollout.spec import POLL_S, SampledRound, WorkerSpec
+from dspo.rollout.messages import (
+    Failed,
+    LoadWeights,
+    Predict,
+    Predictions,
+    Ready,
+    Reply,
+    RoundDone,
+    SampledRound,
+    Stop,
+)
+from dspo.rollout.spec import POLL_S, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +85,6 @@ def _engine_dtype(engine: Any) -> torch.dtype | None:
     return getattr(torch, str(name), None) if name else None
 
 
-def staleness_stats(groups, round_index: int) -> dict[str, float]:
-    """rollout/staleness_{mean,max}: rounds between the weights that sampled each trajectory (its oldest tokens, with
-    partial rollouts) and the round it trains."""
-    ages = [round_index - t.policy_version for g in groups for t in g.trajectories]
-    return {
-        "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
-        "rollout/staleness_max": float(max(ages, default=0)),
-    }
-
-
 def check_round_bounds(sampled: SampledRound, max_staleness: int, max_token_age: int | None) -> None:
     """The bounds a round is admitted under: its weights at most `max_staleness` rounds behind it, and every
     trajectory's oldest tokens at most `max_token_age` (partial rollouts; else `max_staleness`)."""
@@ -97,49 +99,9 @@ def check_round_bounds(sampled: SampledRound, max_staleness: int, max_token_age:
         )
 
 
-def check_partial(partial_rollouts: Any, max_token_age: Any, max_staleness: int) -> int | None:
-    """`rollout.partial_rollouts` and `rollout.max_token_age` checked: the age bound partial rollouts run under
-    (default max_staleness + 1: an episode may finish one round later), None when they are off."""
-    if not isinstance(partial_rollouts, bool):
-        raise ValueError(f"rollout.partial_rollouts={partial_rollouts!r}: use true or false")
-    if not partial_rollouts:
-        if max_token_age is not None:
-            raise ValueError("rollout.max_token_age is set but rollout.partial_rollouts=false: set both or neither")
-        return None
-    if max_staleness < 1:
-        raise ValueError(
-            "rollout.partial_rollouts=true needs rollout.max_staleness >= 1: at 0 every round is sampled by the newest "
-            "weights, so an episode cannot be carried into the next round (docs/training.md#partial-rollouts)"
-        )
-    age = max_staleness + 1 if max_token_age is None else max_token_age
-    if isinstance(age, bool) or not isinstance(age, int) or age <= max_staleness:
-        raise ValueError(
-            f"rollout.max_token_age={max_token_age!r}: a whole number of rounds above rollout.max_staleness="
-            f"{max_staleness} (a round's newest tokens are already up to max_staleness rounds old), or null for "
-            f"{max_staleness + 1}"
-        )
-    return age
-
-
-def check_staleness(max_staleness: Any, engine_threads: Any, engine: Any) -> int:
-    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
-        raise ValueError(
-            f"rollout.max_staleness={max_staleness!r}: use 0 (synchronous) or a whole number of rounds >= 1"
-        )
-    if engine_threads is not None and (not isinstance(engine_threads, int) or engine_threads < 1):
-        raise ValueError(f"rollout.engine_threads={engine_threads!r}: use a number of threads >= 1, or null for half")
-    keywords = getattr(engine, "keywords", None) or (engine if isinstance(engine, dict) else {})
-    if max_staleness and keywords.get("sleep_during_update"):
-        raise ValueError(
-            "rollout.engine.sleep_during_update=true with rollout.max_staleness>=1: the engine generates while the "
-            "trainer updates, so it cannot sleep then. Set one of them back (docs/scaling.md)"
-        )
-    return max_staleness
-
-
 def end_group(pid: int) -> None:
-    """SIGKILL what is left of the engine process's group (it is its leader, `dspo.rollout.serve`): its children,
-    orphaned when it died mid-round, would keep their GPU memory."""
+    """SIGKILL what is left of the engine process's group (it is its leader: `dspo.rollout.engine_process_main`): its
+    children, orphaned when it died mid-round, would keep their GPU memory."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if os.getpgid(pid) != pid:  # not its own group (it died before making it): nothing of it to sweep
             return

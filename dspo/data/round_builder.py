@@ -1,4 +1,4 @@
-"""Rollout groups -> mini-batches -> padded `PolicyBatch` micro-batches.
+"""Round building: rollout groups -> advantages -> shuffled mini-batches -> padded `PolicyBatch` micro-batches.
 
 Advantages: one per trajectory from the configured estimator on the groups' rewards (Eq. 10 by default), or, with
 per-turn credit (`env.reward.credit=turn`), one per token: each model turn's tokens get the trajectory-level
