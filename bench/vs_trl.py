@@ -111,8 +111,8 @@ def resolve_workload(args: argparse.Namespace, work: Path) -> tuple[str, list[di
     """Model directory, QA rows and their prompts as dspo's agent renders them (chat template, searchr1, no tools)."""
     from transformers import AutoTokenizer
 
-    from dspo.agent.prompts import build_messages, render_prompt
     from dspo.data.qa import load_qa
+    from dspo.env.prompting import build_messages, render_prompt
 
     if args.model == "toy":
         root = Path(os.environ.get("DSPO_CACHE", Path.home() / ".cache" / "dspo")) / "toyworld" / "default"

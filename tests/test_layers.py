@@ -23,6 +23,7 @@ ROLLOUT_LAYERS = [
     "dspo.agent.roles",
     "dspo.agent.tool_calling",
     "dspo.env",
+    "dspo.env.prompting",
     "dspo.env.simulated",
     "dspo.data.rounds",
     "dspo.rollout",
@@ -69,6 +70,38 @@ def test_each_layer_imports_only_the_layers_below_it():
     assert not [m for m in engines if m.startswith(("dspo.agent", "dspo.env", "dspo.rollout"))]
     agent = imported_after(["dspo.agent", "dspo.agent.tool_calling", "dspo.agent.roles", "dspo.env.simulated"])
     assert not [m for m in agent if m.startswith("dspo.rollout")]
+
+
+# the folders in their order, lowest first: a module imports only from its own folder and those before it
+LAYER_ORDER = ["dspo.engines", "dspo.env", "dspo.agent", "dspo.rollout"]
+
+
+def layer_of(module: str) -> int | None:
+    return next((i for i, layer in enumerate(LAYER_ORDER) if module == layer or module.startswith(f"{layer}.")), None)
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    """`module -> imported` for every import of a higher layer's module, read from the source (`module_imports`)."""
+    return sorted(
+        f"{module} -> {other}"
+        for module, imported in edges.items()
+        for other in imported
+        if layer_of(module) is not None and layer_of(other) is not None and layer_of(other) > layer_of(module)
+    )
+
+
+def test_no_layer_imports_a_higher_one_even_lazily(tmp_path):
+    """Issue 71: the import graph read from the source, not only what importing loads (the test above), so that an
+    import inside a function, run only when it is called, counts too. An environment that imports the agent loop
+    lazily (the answerer's prompt did, until the prompt moved to `dspo.env.prompting`) breaks the layers as surely as
+    one at the top of its file, and no cycle need show it (none of the agent modules it imported imports it back)."""
+    sources = {"env/x.py": "def f():\n    from dspo.agent.loop import run\n", "agent/loop.py": "import dspo.env.x\n"}
+    for name, source in sources.items():
+        (tmp_path / "dspo" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "dspo" / name).write_text(source)
+    assert upward_imports(module_imports(tmp_path / "dspo")) == ["dspo.env.x -> dspo.agent.loop"]  # finds a lazy one
+    upward = upward_imports(module_imports(Path(__file__).resolve().parents[1] / "dspo"))
+    assert not upward, f"imports of a higher layer (layers: {' <- '.join(LAYER_ORDER)}): {upward}"
 
 
 def module_imports(root: Path) -> dict[str, set[str]]:

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from dspo.agent.prompts import build_messages, render_prompt
 from dspo.agent.roles import RolePart, derived_item
 from dspo.agent.stats import Kind
 from dspo.engines.base import SamplingConfig
 from dspo.env.answerer import ANSWER_STOPS
+from dspo.env.prompting import build_messages, render_prompt
 from dspo.env.proposals import parse_proposal
 from dspo.env.rewards import extract_answer
 from dspo.metrics import phrase_in

@@ -39,18 +39,22 @@ from dspo.agent.accounting import (  # noqa: F401  ToolFailureError, run_with_ti
 from dspo.agent.config import AgentConfig
 from dspo.agent.episode import Episode
 from dspo.agent.partial import CarriedGroup, PartialRollout, StopFn
-from dspo.agent.prompts import ToolTurnTemplate, build_messages, render_prompt
 from dspo.agent.protocol import AgentRollout
 from dspo.agent.trajectory import EpisodeCounts, EpisodeEnd, EpisodeTokens, build_trajectory
 from dspo.engines.base import RolloutEngine, SamplingConfig
 from dspo.env.environment import Environment
+from dspo.env.prompting import (  # noqa: F401  LAST_TURN_NOTE: re-exported (old import path)
+    LAST_TURN_NOTE,
+    ToolTurnTemplate,
+    build_messages,
+    render_prompt,
+)
 from dspo.env.rewards import EpisodeRecord, TurnRecord, observation_ids
 from dspo.env.tools import CallContext, carried
 from dspo.types import Generation, QAItem, RolloutGroup, Segment, Trajectory
 
 ANSWER_CLOSE = "</answer>"
 TAG_FORMATS = ("qwen", "searchr1")
-LAST_TURN_NOTE = "\n(You have one turn left: give your final answer now.)"
 
 
 class ToolCallingAgent:

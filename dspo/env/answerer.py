@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dspo.engines.base import SamplingConfig
+from dspo.env.prompting import LAST_TURN_NOTE, ToolTurnTemplate, build_messages, render_prompt  # what the agent renders
 from dspo.env.rewards import TurnRecord, extract_answer, observation_ids
 from dspo.env.simulated import uniform
 from dspo.metrics import normalize_answer
@@ -179,9 +180,6 @@ class EngineAnswerer:
         its context (the first prompt, each turn's text, the tool turn's pre-tokenized wrappers around each result
         cut to `max_obs_tokens`), so that the joins and the results are the tokens the planner's context held, not
         what one tokenization of the whole text would merge them into."""
-        # the agent's own rendering, imported when first used (the agent layer imports the environment's modules)
-        from dspo.agent.prompts import ToolTurnTemplate, build_messages, render_prompt
-        from dspo.agent.tool_calling import LAST_TURN_NOTE
 
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False)
@@ -200,8 +198,6 @@ class EngineAnswerer:
     def answer(self, requests: Sequence[AnswerRequest]) -> list[str | None]:
         if not requests:
             return []
-        from dspo.agent.prompts import ToolTurnTemplate
-
         engine = self._engine()
         tokenizer = engine.tokenizer
         wrap = ToolTurnTemplate.from_tokenizer(tokenizer, self.tag_format)  # once per batch

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from dspo.agent.prompts import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
 from dspo.cachedir import build_lock, staged_folder
 from dspo.data.qa import load_qa
 from dspo.engines import HFEngine
+from dspo.env.prompting import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
 from dspo.search.bm25 import BM25Index
 from dspo.search.corpus import load_corpus
 from dspo.toy.deep import DEEP_HOPS

@@ -43,9 +43,9 @@ from dspo.agent.endpoint.scheduler import GENERATE, TOOLS, Scheduler, wait_for_w
 from dspo.agent.endpoint.server import EndpointServer
 from dspo.agent.endpoint.tools import EpisodeTools, run_tool_work
 from dspo.agent.endpoint.trajectories import episode_trajectory
-from dspo.agent.prompts import build_messages
 from dspo.agent.protocol import AgentRollout
 from dspo.agent.stats import Kind
+from dspo.env.prompting import build_messages
 from dspo.env.rewards import EpisodeRecord
 from dspo.types import QAItem
 

@@ -5,7 +5,7 @@ Token in, token out: the policy's chat template renders `messages` + `tools`, bu
 previous request's messages + the assistant message the endpoint returned + new messages is *not* re-rendered from the
 start. Its prompt is the previous prompt + the completion's token ids exactly as sampled + the ids of what the template
 puts after that assistant message (`continuation_text`: the conversation rendered with the returned assistant message
-replaced by a sentinel, cut after the sentinel, as `dspo.agent.prompts.ToolTurnTemplate` cuts a tool turn). So a
+replaced by a sentinel, cut after the sentinel, as `dspo.env.prompting.ToolTurnTemplate` cuts a tool turn). So a
 conversation that only appends stays one token sequence, whatever the template does to an assistant message's text
 (JSON re-serialized tool calls, stripped thinking). Anything else (a rewritten or truncated history) is rendered from
 scratch and becomes a new training sample (`dspo.agent.endpoint.episodes`).

@@ -22,8 +22,8 @@ from typing import Any
 
 from dspo.agent import parsing
 from dspo.agent.endpoint import chat
-from dspo.agent.prompts import ToolTurnTemplate
 from dspo.agent.tool_calling import ANSWER_CLOSE
+from dspo.env.prompting import ToolTurnTemplate
 
 _TURN_ROLES = frozenset({"assistant", "tool"})  # what one searchr1 assistant turn is made of
 Parsed = tuple[dict, bool, list[tuple[str, str]]]  # (assistant message, has tool calls, malformed calls: (tool, kind))

@@ -17,7 +17,7 @@ from dspo.agent.accounting import run_tool_batch
 from dspo.agent.config import AgentConfig
 from dspo.agent.endpoint.episodes import Episode
 from dspo.agent.endpoint.scheduler import Work
-from dspo.agent.tool_calling import LAST_TURN_NOTE
+from dspo.env.prompting import LAST_TURN_NOTE
 from dspo.env.tools import CallContext, InvalidCall, carried
 
 Submit = Callable[[str, dict], Awaitable[str]]
