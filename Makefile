@@ -19,7 +19,7 @@ format:
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
 # Mutation score of the claims' modules (docs/testing.md#mutation-score): not in `make test` (an hour or more on 2 cores).
-# MUTATE selects mutants by name, e.g. make mutation MUTATE="dspo.trust*"; DSPO_MUTATION=1 runs a tenth of the property
+# MUTATE selects mutants by name, e.g. make mutation MUTATE="dspo.runs.trust*"; DSPO_MUTATION=1 runs a tenth of the property
 # tests' examples per mutant. OMP_NUM_THREADS=1: mutmut forks its test processes from one that ran torch.
 MUTATE ?=
 mutation:

@@ -232,9 +232,9 @@ def agent_prompt_ids(cfg: Any, items: list) -> list[list[int]]:
 def main(spec_path: str, result_path: str) -> None:
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     os.environ["DSPO_NUM_THREADS"] = str(spec["threads"])
-    from dspo.runtime import configure_allocator, configure_threads
+    from dspo.process.runtime import configure_allocator, configure_threads
 
-    # as dspo-train on CPU (dspo.runtime.process_settings, for this whole process): in-process vLLM engine, the
+    # as dspo-train on CPU (dspo.process.runtime.process_settings, for this whole process): in-process vLLM engine, the
     # allocator that keeps large blocks, torch threads = DSPO_NUM_THREADS
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

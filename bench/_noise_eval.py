@@ -77,8 +77,8 @@ def noise_eval(root: Path, setups: dict[str, list[str]], levels: list[float], ex
     half-width)}}}} for the setups with finished runs under `root`."""
     from hydra.utils import instantiate
 
-    from dspo.ablation import ci95
-    from dspo.analysis import find_runs
+    from dspo.sweeps.analysis import find_runs
+    from dspo.sweeps.report import ci95
     from dspo.toy.rebuild import compose_train
     from dspo.toy.tokenizer import load_tokenizer
 

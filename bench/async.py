@@ -92,7 +92,7 @@ def per_round(series: list[tuple[int, float, float]], steps_per_round: int) -> d
 
 
 def summarize(run_dir: Path, steps_per_round: int, warmup_rounds: int, k: int) -> dict[str, float]:
-    from dspo.analysis import scalar_wall_times
+    from dspo.sweeps.analysis import scalar_wall_times
 
     data = scalar_wall_times(run_dir)
     walls = {step: wall for step, wall, _ in data["train/loss"]}

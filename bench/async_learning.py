@@ -6,7 +6,7 @@ optimizer steps and against wall time.
     .venv/bin/python bench/async_learning.py outputs/multirun/<A> outputs/multirun/<B> \\
         [--json bench/results/async_learning.json] [--figure docs/async_learning.png]
 
-Per sweep: `dspo.ablation`'s per-run record (step-0 and final validation, test, tokens, collapse) and its summary
+Per sweep: `dspo.sweeps.report`'s per-run record (step-0 and final validation, test, tokens, collapse) and its summary
 (mean ± Student-t 95 % half-width over seeds), labelled by the runs' `rollout.max_staleness`. Wall time of a run =
 TensorBoard event time since the run's first event (the step-0 validation), so the curves against wall time include
 validation, as a user's run does. Wall times mean something only for runs made one at a time on the same machine.
@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from _checks import require_measured  # noqa: E402  bench/ is on sys.path when this script runs
 
-from dspo.ablation import ci95, run_record, summary  # noqa: E402
-from dspo.analysis import find_runs, scalar_wall_times  # noqa: E402
+from dspo.sweeps.analysis import find_runs, scalar_wall_times  # noqa: E402
+from dspo.sweeps.report import ci95, run_record, summary  # noqa: E402
 
 
 def staleness_of(run) -> int:

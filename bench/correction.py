@@ -10,7 +10,8 @@ truncated sequence importance weight), none}. Each run is one `dspo-train` subpr
 `rollout.max_staleness=K algorithm.rollout_correction.mode=M seed=S trainer.max_steps=N run_test=false`, in
 `<root>/<mode>_k<K>_seed<S>/` (`--root`, default outputs/correction; a run whose directory holds `metrics.yaml` is
 finished and reused, delete it to train it again). The table, per (mode, k): the final validation `val/subem_mean`
-(the last one after step 0, as `dspo.ablation`), mean ± 95 % half-width over seeds (Student t, `dspo.ablation.ci95`),
+(the last one after step 0, as `dspo.sweeps.report`), mean ± 95 % half-width over seeds (Student t,
+`dspo.sweeps.report.ci95`),
 and the per-run means over training steps of `mismatch/weight_mean`, `mismatch/weight_min`, `mismatch/ess` and
 `rollout/staleness_mean`, averaged over seeds. Exit status 1 when a run failed (or ran past `--timeout`) or a figure is
 NaN or missing.
@@ -33,7 +34,7 @@ from _outputs import provenance  # bench/ is on sys.path when this script runs
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspo.ablation import ci95  # noqa: E402
+from dspo.sweeps.report import ci95  # noqa: E402
 
 DEFAULT_MODE = "seq_tis"  # conf/algorithm/dspo.yaml
 MODES = ("seq_tis", "seq_prod_tis", "none")
@@ -67,8 +68,8 @@ def overrides(mode: str, k: int, seed: int, steps: int) -> list[str]:
 
 def run_figures(run_dir: Path) -> dict[str, float]:
     """A finished run's final validation and the means over training steps of STATS (NaN when never logged)."""
-    from dspo.ablation import run_record
-    from dspo.analysis import load_scalars, run_info
+    from dspo.sweeps.analysis import load_scalars, run_info
+    from dspo.sweeps.report import run_record
 
     figures: dict[str, float] = {"val_final": float(run_record(run_info(run_dir))["val_final"])}
     scalars = load_scalars(run_dir)

@@ -20,7 +20,7 @@
 
 A setup is a `dspo-train -m seed=...` multirun of the toy default with the setup's overrides, into
 `outputs/environments/<setup>/` (`--root`); each run is the default 100 steps with its test at the end. The report
-prints, per setup, mean ± 95 % half-width over seeds (Student t, as `python -m dspo.ablation`):
+prints, per setup, mean ± 95 % half-width over seeds (Student t, as `dspo-report`):
 - validation subEM per question type at step 0 and at the last step, test subEM per type;
 - searches per trajectory (`rollout/calls/<tool>` summed over the tools) over the first and the last 10 rounds;
 - each setup's own signal over the first and the last 10 rounds: StepSearch's `reward/info_gain` and
@@ -188,7 +188,7 @@ def window_means(series, rounds: int = WINDOW) -> tuple[float, float]:
 
 
 def run_numbers(run) -> dict[str, float]:
-    from dspo.analysis import load_scalars
+    from dspo.sweeps.analysis import load_scalars
 
     scalars = load_scalars(run.dir)
     by_tag = {tag: frame.sort_values("step").set_index("step")["value"] for tag, frame in scalars.groupby("tag")}
@@ -250,8 +250,8 @@ def test_episodes(run_dir: Path) -> dict[str, float]:
 
 
 def report(root: Path, setups: list[str]) -> dict:
-    from dspo.ablation import ci95
-    from dspo.analysis import find_runs
+    from dspo.sweeps.analysis import find_runs
+    from dspo.sweeps.report import ci95
 
     result: dict[str, dict] = {}
     for name in setups:
@@ -308,7 +308,7 @@ def plot(root: Path, result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dspo.analysis import curves, find_runs
+    from dspo.sweeps.analysis import curves, find_runs
 
     if set(result) <= set(DEEP_SETUPS):
         panels = DEEP_PANELS

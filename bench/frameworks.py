@@ -137,7 +137,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "docs" / "examples"))
     from transformers import AutoTokenizer
 
-    from dspo.resources import QWEN_TOKENIZER, data_dir
+    from dspo.process.resources import QWEN_TOKENIZER, data_dir
     from dspo.types import QAItem
 
     tokenizer = AutoTokenizer.from_pretrained(str(data_dir().joinpath(*QWEN_TOKENIZER)))

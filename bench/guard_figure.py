@@ -26,8 +26,9 @@ TAGS = (
 
 
 def scalars(run: Path, extra: tuple[str, ...] = ()) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} of the figure's tags and `extra` (dspo.analysis.load_scalars reads the event files)."""
-    from dspo.analysis import load_scalars
+    """tag -> {step: value} of the figure's tags and `extra` (dspo.sweeps.analysis.load_scalars reads the event
+    files)."""
+    from dspo.sweeps.analysis import load_scalars
 
     frame = load_scalars(run)
     frame = frame[frame.tag.isin([tag for tag, _ in TAGS] + list(extra))]

@@ -157,7 +157,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     import torch
 
     from dspo.models.lora import LoraConfig, add_adapters
-    from dspo.module import OptimizerConfig, build_adamw, train_mode_without_dropout
+    from dspo.training.module import OptimizerConfig, build_adamw, train_mode_without_dropout
 
     if args.threads:
         torch.set_num_threads(args.threads)

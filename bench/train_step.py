@@ -321,8 +321,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspo.module import OptimizerConfig, build_adamw
     from dspo.toy.model import build_tiny_model
+    from dspo.training.module import OptimizerConfig, build_adamw
 
     if args.threads:
         torch.set_num_threads(args.threads)

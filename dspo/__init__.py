@@ -2,7 +2,7 @@
 
 from omegaconf import OmegaConf
 
-from dspo import resources as _resources  # noqa: F401  registers ${dspo.data_dir:} for the Hydra configs
+from dspo.process import resources as _resources  # noqa: F401  registers ${dspo.data_dir:} for the Hydra configs
 
 __version__ = "0.1.0"
 

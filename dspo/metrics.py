@@ -3,7 +3,7 @@
 Plain Python, no torch: the reward, the toy world and the retrieval commands import this module, and `dspo-serve` /
 `dspo-index` start seconds sooner without torch and torchmetrics (measured: importing torchmetrics took 2.7 s, as its
 text metrics import transformers). The torchmetrics classes over these scores (`SubEM`, `ExactMatch`, `TokenF1`,
-`answer_metrics`, `benchmark_metrics`) live in `dspo.metric_collections`, one layer up: it imports this module.
+`answer_metrics`, `benchmark_metrics`) live in `dspo.eval.answer_metrics`, one layer up: it imports this module.
 
 One rule for blank answers, shared by the reward (`dspo.env.rewards`), evaluation (`dspo.eval.pipeline`) and these
 metrics: a missing answer (None) is wrong, and a gold answer that normalizes to the empty string (NQ has `*`, `---`,

@@ -329,7 +329,7 @@ def toy_run(
     from dspo.callbacks.rollout_callback import RolloutCallback
     from dspo.data.datamodule import PromptSampler, RolloutDataModule
     from dspo.models import ModelConfig
-    from dspo.module import DSPOModule, OptimizerConfig
+    from dspo.training.module import DSPOModule, OptimizerConfig
 
     defaults = {"group_size": 4, "batch_groups": 2, "micro_batch_size": 3}
     defaults["loss_kwargs"] = {"clip_low": 0.2, "clip_high": 0.3}

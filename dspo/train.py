@@ -17,12 +17,12 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dspo import sweep_job
-from dspo.combinations import check_combinations
-from dspo.resume import discard, move_into_run, resolve_ckpt_path
-from dspo.runtime import run_command
-from dspo.sweep import finished_result
-from dspo.trust import import_modules
+from dspo.process.runtime import run_command
+from dspo.runs.resume import discard, move_into_run, resolve_ckpt_path
+from dspo.runs.trust import import_modules
+from dspo.sweeps import job as sweep_job
+from dspo.sweeps.status import finished_result
+from dspo.training.combinations import check_combinations
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("dspo.train")
@@ -59,8 +59,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate datamodule, module, callbacks, logger and trainer from the composed config."""
     import lightning.pytorch as pl
 
-    from dspo.loggers import LogRunConfig, build_loggers, run_hyperparameters
-    from dspo.record import run_record
+    from dspo.runs.record import run_record
+    from dspo.training.loggers import LogRunConfig, build_loggers, run_hyperparameters
 
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(cfg.module, _convert_="all")  # plain containers: checkpoints load weights_only
@@ -69,7 +69,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     if OmegaConf.select(cfg, "trainer.enable_checkpointing", default=True) is False:
         callbacks = _without_checkpoints(callbacks)
     loggers = build_loggers(cfg.get("logger"))
-    if loggers:  # every logger gets the whole resolved config, once (dspo.loggers); checkpoints keep module hparams
+    if (
+        loggers
+    ):  # every logger gets the whole resolved config, once (dspo.training.loggers); checkpoints keep module hparams
         callbacks.append(LogRunConfig(run_hyperparameters(cfg)))
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return {"datamodule": datamodule, "module": module, "callbacks": callbacks, "trainer": trainer}
@@ -104,7 +106,8 @@ def fit_or_checkpoint(trainer, module, datamodule, ckpt_path: str | None) -> Non
 
 def local_processes(cfg: DictConfig) -> int | None:
     """Processes of this run on this node, when the config says: `trainer.devices` of a CPU run (Lightning starts
-    that many). None otherwise (GPUs, "auto"): dspo.runtime.thread_count then asks LOCAL_WORLD_SIZE and SLURM."""
+    that many). None otherwise (GPUs, "auto"): dspo.process.runtime.thread_count then asks LOCAL_WORLD_SIZE and
+    SLURM."""
     devices = OmegaConf.select(cfg, "trainer.devices", default=None)
     if OmegaConf.select(cfg, "trainer.accelerator", default=None) != "cpu" or isinstance(devices, bool):
         return None
@@ -112,9 +115,9 @@ def local_processes(cfg: DictConfig) -> int | None:
 
 
 def train(cfg: DictConfig) -> float | None:
-    """The run, inside dspo.runtime.process_settings: its environment defaults and warning filters end with it.
-    With `trial_seeds` (a list), one run per seed and the mean of their sweep metrics (`dspo.sweep_job`)."""
-    from dspo.runtime import configure_threads, process_settings
+    """The run, inside dspo.process.runtime.process_settings: its environment defaults and warning filters end with it.
+    With `trial_seeds` (a list), one run per seed and the mean of their sweep metrics (`dspo.sweeps.job`)."""
+    from dspo.process.runtime import configure_threads, process_settings
 
     if cfg.get("trial_seeds"):
         return sweep_job.mean_over_seeds(cfg, train)
@@ -133,7 +136,7 @@ def train(cfg: DictConfig) -> float | None:
         except sweep_job.RunPreempted as error:  # its status.json says preempted already
             _drop_locals_in_sweep(error)
             raise
-        except BaseException as error:  # the sweep's report names the failed job with this line (dspo.sweep)
+        except BaseException as error:  # the sweep's report names the failed job with this line (dspo.sweeps.status)
             sweep_job.write_end(cfg, "failed", error=sweep_job.error_line(error))
             _drop_locals_in_sweep(error)
             raise
@@ -143,8 +146,8 @@ def train(cfg: DictConfig) -> float | None:
 
 def _start_job() -> tuple[float | None, bool]:
     """(resident GiB at the job's start: what earlier jobs of this process left, whether the peak is now the job's
-    own): the kernel's peak is reset here (dspo.runtime.reset_peak_rss)."""
-    from dspo.runtime import reset_peak_rss, rss_gib
+    own): the kernel's peak is reset here (dspo.process.runtime.reset_peak_rss)."""
+    from dspo.process.runtime import reset_peak_rss, rss_gib
 
     own_peak = reset_peak_rss()
     return rss_gib(), own_peak
@@ -160,10 +163,10 @@ def _drop_locals_in_sweep(error: BaseException) -> None:
 
 def _end_job(cfg: DictConfig, start: tuple[float | None, bool]) -> None:
     """Free what the run left in this process, so that the next job of a sweep starts where this one did (issue 76:
-    dspo.runtime.release_job_memory), and add the job's memory to its status.json: `rss_start_gib` (what the process
-    held when the job began) and `rss_peak_gib` (the job's peak). Never hides the run's own outcome."""
+    dspo.process.runtime.release_job_memory), and add the job's memory to its status.json: `rss_start_gib` (what the
+    process held when the job began) and `rss_peak_gib` (the job's peak). Never hides the run's own outcome."""
     from dspo.callbacks.status import record_job_memory
-    from dspo.runtime import release_job_memory, rss_gib
+    from dspo.process.runtime import release_job_memory, rss_gib
 
     start_gib, own_peak = start
     try:
@@ -179,7 +182,7 @@ def _work_follows_in_this_process() -> bool:
     """A sweep's next job (Hydra's basic launcher), or whatever a caller of `train()` does next (a notebook, a script,
     a test). Not after a single `dspo-train` run: its process ends with it, and freeing takes seconds (1-2 s after a
     toy run here: collecting what vLLM froze, then the trim)."""
-    from dspo.runtime import process_ends_with_its_command
+    from dspo.process.runtime import process_ends_with_its_command
 
     return sweep_job.in_sweep() or not process_ends_with_its_command()
 
@@ -188,7 +191,7 @@ def _train(cfg: DictConfig) -> float | None:
     import lightning.pytorch as pl
 
     from dspo.callbacks.checkpoints import preempted
-    from dspo.console import one_lightning_console
+    from dspo.process.console import one_lightning_console
 
     one_lightning_console()
 
@@ -232,7 +235,7 @@ def _hydra_dir() -> str | None:
 
 def _resume_in_place(cfg: DictConfig) -> str | None:
     """`resolve_ckpt_path`; a resumed run continues in its own folder, so this command's fresh Hydra folder moves into
-    it (or is removed when the command is refused before doing anything): dspo.resume."""
+    it (or is removed when the command is refused before doing anything): dspo.runs.resume."""
     fresh = _hydra_dir()
     try:  # a sweep job resumes only its own folder: another sweep's or a single run's of the same name is not it
         ckpt_path = resolve_ckpt_path(cfg, own_folder_only=sweep_job.in_sweep())
@@ -248,7 +251,7 @@ def _resume_in_place(cfg: DictConfig) -> str | None:
 
 
 def _report(cfg: DictConfig, trainer, metrics: dict[str, float]) -> None:
-    from dspo.loggers import describe
+    from dspo.training.loggers import describe
 
     if not trainer.is_global_zero:
         return
@@ -274,7 +277,7 @@ EXAMPLE = "dspo-train algorithm=gspo trainer.max_steps=100   (docs/training.md)"
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    from dspo.errors import user_errors
+    from dspo.process.errors import user_errors
 
     with user_errors("dspo-train", EXAMPLE):
         return train(cfg)

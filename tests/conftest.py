@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import dspo  # noqa: F401  registers the configs' resolvers (${dspo.data_dir:}, ${dspo.precision:}) for compose() in tests
-from dspo.resources import QWEN_TOKENIZER as QWEN_TOKENIZER_PARTS
-from dspo.resources import data_dir
+from dspo.process.resources import QWEN_TOKENIZER as QWEN_TOKENIZER_PARTS
+from dspo.process.resources import data_dir
 from dspo.testing import run_to_exit
 from dspo.types import Passage
 
@@ -43,7 +43,8 @@ SHORT_DEFAULT = [
 
 # For end-to-end tests about something other than generation (faults, resume, loggers, plugins, DDP): the transformers
 # engine starts ~7 s sooner than in-process vLLM (12 vs 20 s for a 4-step run here). The vLLM path runs end to end in
-# tests/test_train.py (the default run, the multirun sweep), tests/test_fsdp.py and tests/eval/test_cli.py.
+# tests/test_train.py (the default run, the multirun sweep), tests/training/test_strategies.py and
+# tests/eval/test_cli.py.
 FAST_ENGINE = "rollout=hf"
 
 
@@ -111,7 +112,7 @@ def short_default_hf() -> list[str]:
 @pytest.fixture(scope="session")
 def record() -> dict:
     """The run record of the toy default's training config (Search-R1 tags, top-1, 3 turns, the toy test sets)."""
-    from dspo.record import run_record
+    from dspo.runs.record import run_record
     from dspo.testing import compose_config
 
     return run_record(compose_config("train", ["output_dir=/tmp/run", "paths.cache=/c"]))

@@ -90,7 +90,7 @@ def test_config_mistakes_fail_at_start_with_the_key(tmp_path):
 
 def test_trainer_and_logger_instantiate_on_cpu(tmp_path):
     cfg = _compose("train", [f"output_dir={tmp_path}"])
-    from dspo.loggers import build_loggers
+    from dspo.training.loggers import build_loggers
 
     trainer = instantiate(cfg.trainer, logger=build_loggers(cfg.logger), callbacks=[])
     assert trainer.max_steps == cfg.trainer.max_steps
@@ -98,7 +98,7 @@ def test_trainer_and_logger_instantiate_on_cpu(tmp_path):
 
 
 def test_fsdp_strategy_composes_and_instantiates(tmp_path):
-    from dspo.strategies import FSDP2Strategy
+    from dspo.training.strategies import FSDP2Strategy
 
     cfg = _compose("train", ["trainer=fsdp", f"output_dir={tmp_path}"])
     strategy = instantiate(cfg.trainer.strategy)

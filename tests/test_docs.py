@@ -278,8 +278,8 @@ def composition_error(config: str, overrides: tuple[str, ...]) -> str | None:
             cfg = copy.deepcopy(cfg)
             ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
         if config == "train":  # what dspo-train refuses at once, before anything is built
-            from dspo.combinations import check_combinations
             from dspo.train import check_round_alignment
+            from dspo.training.combinations import check_combinations
 
             check_round_alignment(cfg)
             check_combinations(cfg)

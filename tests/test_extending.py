@@ -169,7 +169,7 @@ def test_reranker_is_a_retriever_selected_by_target_and_used_by_the_agent(exampl
     from dspo.agent.tool_calling import ToolCallingAgent
     from dspo.engines.scripted import ScriptedEngine
     from dspo.env import Environment
-    from dspo.resources import QWEN_TOKENIZER, data_dir
+    from dspo.process.resources import QWEN_TOKENIZER, data_dir
     from dspo.search import Retriever
     from dspo.types import QAItem
 
@@ -216,7 +216,7 @@ def test_judge_tool_and_judged_reward_in_the_agent_loop_hand_computed(examples):
     from dspo.agent.tool_calling import ToolCallingAgent
     from dspo.engines.scripted import ScriptedEngine
     from dspo.env import Environment, SearchTool
-    from dspo.resources import QWEN_TOKENIZER, data_dir
+    from dspo.process.resources import QWEN_TOKENIZER, data_dir
     from dspo.types import Passage, QAItem
 
     import_modules(["my_tool", "my_reward"])
@@ -279,7 +279,7 @@ def test_planning_agent_by_its_hooks_hand_computed(examples, qwen_tokenizer):
 def test_cli_run_with_every_example_plugin(run_train, short_default_hf, tmp_path, monkeypatch):
     """The objective, the estimator, the tool, the reward and the agent through `dspo-train 'imports=[...]'`, as the
     guide runs them (an unknown name would be refused when the config is built, so a finished run used all five)."""
-    from dspo.analysis import find_runs, load_scalars
+    from dspo.sweeps.analysis import find_runs, load_scalars
 
     monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
     args = [

@@ -61,7 +61,7 @@ def test_no_rollout_layer_imports_lightning():
     loaded = imported_after(ROLLOUT_LAYERS)
     lightning = [m for m in loaded if m.split(".")[0] in ("lightning", "pytorch_lightning")]
     assert not lightning, f"imported by the rollout layers: {lightning[:5]}"
-    assert "dspo.module" not in loaded and not [m for m in loaded if m.startswith("dspo.callbacks")]
+    assert "dspo.training.module" not in loaded and not [m for m in loaded if m.startswith("dspo.callbacks")]
 
 
 def test_each_layer_imports_only_the_layers_below_it():
@@ -161,3 +161,19 @@ def test_no_module_imports_one_that_imports_it_back():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check finds one
     cycles = import_cycles(module_imports(Path(__file__).resolve().parents[1] / "dspo"))
     assert not cycles, f"modules that import each other round: {cycles}"
+
+
+def test_a_runs_files_and_the_process_setup_import_no_lightning():
+    """`dspo.runs` (record, trust, resume, checkpoint files) and `dspo.process` (runtime, console, errors, resources)
+    are read by tools that run no trainer (dspo-eval's gate, the sweep report, the status reader): no Lightning, read
+    from the source (lazy imports included) and checked in a fresh interpreter."""
+    root = Path(__file__).resolve().parents[1] / "dspo"
+    for folder in ("runs", "process"):
+        for path in (root / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                assert not [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")], path
+    modules = [f"dspo.{p.parent.name}.{p.stem}" for f in ("runs", "process") for p in (root / f).glob("[!_]*.py")]
+    loaded = imported_after(modules)
+    assert not [m for m in loaded if m.split(".")[0] in ("lightning", "pytorch_lightning")]

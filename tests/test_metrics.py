@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from dspo.metric_collections import ExactMatch, SubEM, TokenF1, answer_metrics, benchmark_metrics
+from dspo.eval.answer_metrics import ExactMatch, SubEM, TokenF1, answer_metrics, benchmark_metrics
 from dspo.metrics import exact_match, normalize_answer, sub_exact_match, token_f1
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 
 BENCHMARKS = data_dir() / "benchmarks"
 

@@ -24,7 +24,7 @@ STEPS = 3
 SCRIPT = """
 import json, sys
 from pathlib import Path
-from dspo.sweep import read_status
+from dspo.sweeps.status import read_status
 from dspo.testing import compose_config
 from dspo.train import train
 

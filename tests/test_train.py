@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspo.analysis import find_runs, load_scalars
+from dspo.sweeps.analysis import find_runs, load_scalars
 from dspo.testing import run_to_exit
 
 REPO = Path(__file__).resolve().parents[1]

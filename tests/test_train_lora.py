@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspo.analysis import find_runs, load_scalars
+from dspo.sweeps.analysis import find_runs, load_scalars
 
 ALLOWED_NOTICES = ("NUMA binding: Using MEMBIND policy",)  # as tests/test_train.py
 

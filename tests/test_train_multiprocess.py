@@ -1,7 +1,8 @@
 """`dspo-train` as a scheduler runs it: two DDP processes (gloo, one engine each) and a preemption signal.
 
 Each test is a real subprocess on the toy default (shortened), like a user's command line, on the transformers engine
-(`short_default_hf`: what is tested here is not generation; multi-process vLLM runs in tests/test_fsdp.py)."""
+(`short_default_hf`: what is tested here is not generation; multi-process vLLM runs in
+tests/training/test_strategies.py)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_sigterm_stops_at_the_round_end_then_kill_9_loses_no_step_past_the_last_
     process = _start_train(resumed, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         # the resumed run's first checkpoint, then last.ckpt rewritten after it (atomically): a kill between the two
-        # files is tests/test_checkpointing.py's case
+        # files is tests/runs/test_checkpoint_files.py's case
         first = run / "checkpoints" / f"step{saved + 2:05d}.ckpt"
         deadline = time.time() + 600
         while time.time() < deadline and not (first.is_file() and last.stat().st_mtime_ns >= first.stat().st_mtime_ns):

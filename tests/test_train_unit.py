@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dspo.checkpointing import atomic_torch_save
-from dspo.resume import resolve_ckpt_path
+from dspo.runs.checkpoint_files import atomic_torch_save
+from dspo.runs.resume import resolve_ckpt_path
 from dspo.train import fit_or_checkpoint
 
 
@@ -131,7 +131,7 @@ def test_train_runs_inside_the_process_settings_and_leaves_them_on_failure(monke
     notebook that calls it, even when the run fails, gets its session back."""
     import contextlib
 
-    import dspo.runtime
+    import dspo.process.runtime
     import dspo.train
 
     events: list[tuple] = []
@@ -144,9 +144,11 @@ def test_train_runs_inside_the_process_settings_and_leaves_them_on_failure(monke
         finally:
             events.append(("exit",))
 
-    monkeypatch.setattr(dspo.runtime, "process_settings", settings)
+    monkeypatch.setattr(dspo.process.runtime, "process_settings", settings)
     monkeypatch.setattr(
-        dspo.runtime, "configure_threads", lambda local_processes=None: events.append(("threads", local_processes))
+        dspo.process.runtime,
+        "configure_threads",
+        lambda local_processes=None: events.append(("threads", local_processes)),
     )
 
     def stop(names):
@@ -164,14 +166,14 @@ def _stand_in_run(monkeypatch, run):
     """`dspo.train.train` with `_train` replaced by `run` and torch's thread count left alone (process-wide)."""
     import dspo.train as train_module
 
-    monkeypatch.setattr("dspo.runtime.configure_threads", lambda **kwargs: 1)
+    monkeypatch.setattr("dspo.process.runtime.configure_threads", lambda **kwargs: 1)
     monkeypatch.setattr(train_module, "_train", run)
     return train_module
 
 
 def test_a_run_that_fails_writes_failed_and_the_error_line_to_its_status(tmp_path, monkeypatch) -> None:
-    """What the sweep's console line and `python -m dspo.ablation` name for a failed job (dspo.sweep)."""
-    from dspo.sweep import read_status
+    """What the sweep's console line and `dspo-report` name for a failed job (dspo.sweeps.status)."""
+    from dspo.sweeps.status import read_status
 
     train_module = _stand_in_run(monkeypatch, lambda cfg: train_module.check_round_alignment(cfg))
     cfg = OmegaConf.create(
@@ -189,7 +191,7 @@ def test_a_run_that_fails_writes_failed_and_the_error_line_to_its_status(tmp_pat
 
 
 def test_trial_seeds_train_one_run_per_seed_in_its_own_folder_and_return_the_mean(tmp_path, monkeypatch) -> None:
-    from dspo.sweep import read_status
+    from dspo.sweeps.status import read_status
 
     seen = []
 
@@ -211,11 +213,11 @@ def test_trial_seeds_train_one_run_per_seed_in_its_own_folder_and_return_the_mea
 def test_a_resumed_sweep_does_not_run_a_job_that_finished_again(tmp_path, monkeypatch) -> None:
     """`ckpt_path=auto` in a sweep job (dspo's launchers add it): a job whose status.json says it finished as far as
     asked returns its stored metric without training; asked for more steps, or outside a sweep, it runs."""
-    from dspo.sweep import write_status
+    from dspo.sweeps.status import write_status
 
     ran = []
     train_module = _stand_in_run(monkeypatch, lambda cfg: ran.append(cfg.output_dir) or 0.1)
-    monkeypatch.setattr("dspo.sweep_job.in_sweep", lambda: True)
+    monkeypatch.setattr("dspo.sweeps.job.in_sweep", lambda: True)
     write_status(tmp_path, "finished", step=4, max_steps=4, metric=0.5)
     cfg = OmegaConf.create({"ckpt_path": "auto", "sweep_metric": "val/subem_mean", "trainer": {"max_steps": 4}})
     cfg.output_dir = str(tmp_path)
@@ -224,7 +226,7 @@ def test_a_resumed_sweep_does_not_run_a_job_that_finished_again(tmp_path, monkey
     assert train_module.train(cfg) == 0.1 and ran == [str(tmp_path)]
     cfg.trainer.max_steps, cfg.ckpt_path = 4, None
     assert train_module.train(cfg) == 0.1
-    monkeypatch.setattr("dspo.sweep_job.in_sweep", lambda: False)
+    monkeypatch.setattr("dspo.sweeps.job.in_sweep", lambda: False)
     cfg.ckpt_path = "auto"
     assert train_module.train(cfg) == 0.1 and len(ran) == 3
 

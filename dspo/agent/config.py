@@ -1,7 +1,7 @@
 """An episode's limits (`AgentConfig`) and the settings that left the agent for the environment.
 
-Light on purpose (no torch, no engine): `dspo.runtime.run_command` checks a command line against `MOVED_TO_ENV` before
-Hydra composes it, so that `rollout.agent.topk=5` fails naming `env.tools.search.topk`, not with Hydra's
+Light on purpose (no torch, no engine): `dspo.process.runtime.run_command` checks a command line against `MOVED_TO_ENV`
+before Hydra composes it, so that `rollout.agent.topk=5` fails naming `env.tools.search.topk`, not with Hydra's
 "Key 'topk' is not in struct".
 """
 

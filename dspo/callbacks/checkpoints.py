@@ -131,7 +131,8 @@ class RoundCheckpoint(ModelCheckpoint):
 
 def _copy(source: Path, target: Path) -> None:
     """`target` = a copy of `source` (a file, or the folder of a trainer=fsdp checkpoint). A copy, not a hard link:
-    a save that bypasses dspo.checkpointing's atomic replace may rewrite `last.ckpt` in place. copy2 keeps the mtime,
+    a save that bypasses dspo.runs.checkpoint_files's atomic replace may rewrite `last.ckpt` in place. copy2 keeps the
+    mtime,
     so `ckpt_path=last` still prefers `last.ckpt`."""
     if target.is_dir():
         shutil.rmtree(target)

@@ -142,7 +142,7 @@ class RolloutCallback(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A fit resumed from a checkpoint at `trainer.max_steps` trains nothing and Lightning skips `on_train_end`
-        (dspo.resume: a run preempted in its last round is finished so): the restored policy is exported here."""
+        (dspo.runs.resume: a run preempted in its last round is finished so): the restored policy is exported here."""
         from dspo.callbacks.checkpoints import preempted
 
         if self.exported_to is None and not preempted(trainer):

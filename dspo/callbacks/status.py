@@ -1,4 +1,4 @@
-"""`status.json` while a run trains (dspo.sweep reads it: the sweep's per-job console lines, `python -m dspo.sweep`),
+"""`status.json` while a run trains (dspo.sweeps.status reads it: the sweep's per-job console lines, `dspo-sweep`),
 and the run's command-line overrides as a TensorBoard text entry, so `tensorboard --logdir SWEEP_DIR` says which
 settings each job's curves belong to."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from dspo.sweep import read_status, write_status
+from dspo.sweeps.status import read_status, write_status
 
 
 def hydra_job() -> tuple[int | None, list[str]]:
@@ -59,7 +59,7 @@ class RunStatus(pl.Callback):
 
 def record_job_memory(run_dir: str | Path, **gib: float | None) -> None:
     """Add the job's resident memory (`rss_start_gib`, `rss_peak_gib`, in GiB; None: not measured) to the `status.json`
-    its end wrote (rank 0 only; nothing without one, e.g. a command refused before it started): `python -m dspo.sweep`
+    its end wrote (rank 0 only; nothing without one, e.g. a command refused before it started): `dspo-sweep`
     shows each job's peak, and a sweep whose `rss_start_gib` grows from job to job keeps what its jobs leave."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 

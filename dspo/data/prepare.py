@@ -140,7 +140,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
-    from dspo.errors import user_errors
+    from dspo.process.errors import user_errors
 
     @hydra.main(
         config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="prepare_data", version_base="1.3"

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from dspo.console import install_log_filters
 from dspo.engines.base import SamplingConfig, _single_token_stops
+from dspo.process.console import install_log_filters
 from dspo.types import Generation
 
 

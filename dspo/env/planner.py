@@ -147,7 +147,7 @@ class PlannerReward(SubEMReward):
     gold_key: the item metadata naming the gold pages (the toy: `chain`; HotpotQA: `supporting_titles`).
     search_tools, ask_tool: the tool names counted as searches and as answerer calls.
     max_answer_words: as `SubEMReward`, applied to the answerer's answer. credit: trajectory only (the terms are
-        known when the episode ends; per-turn credit is refused, naming both keys, dspo.combinations).
+        known when the episode ends; per-turn credit is refused, naming both keys, dspo.training.combinations).
     """
 
     name = "answerer_subem"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dspo.eval.pipeline import AVERAGE, macro_average, markdown_table, predict, score, write_results
-from dspo.runtime import run_command
+from dspo.process.runtime import run_command
 from dspo.types import QAItem
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,8 @@ class CheckpointError(ValueError):
 def read_checkpoint(ckpt_path: str, allow_foreign: bool = False) -> dict[str, Any]:
     """`torch.load(weights_only=True)`, memory-mapped: only the policy's tensors are read from disk later. A folder
     (distributed) checkpoint is read only when it is the user's own, or with `allow_foreign`, and always as data:
-    its pickles with torch's weights-only unpickler (`dspo.trust.folder_checkpoint_as_data`)."""
-    from dspo.trust import check_checkpoint_owner
+    its pickles with torch's weights-only unpickler (`dspo.runs.trust.folder_checkpoint_as_data`)."""
+    from dspo.runs.trust import check_checkpoint_owner
 
     path = Path(ckpt_path).expanduser()
     if path.is_dir():
@@ -64,8 +64,8 @@ def _read_distributed_checkpoint(path: Path, ckpt_path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from dspo.checkpointing import checkpoint_problem
-    from dspo.trust import folder_checkpoint_as_data
+    from dspo.runs.checkpoint_files import checkpoint_problem
+    from dspo.runs.trust import folder_checkpoint_as_data
 
     problem = checkpoint_problem(path)
     if problem is not None:
@@ -134,7 +134,7 @@ def export_checkpoint(
     from transformers import AutoConfig
 
     from dspo.models.export import Adapter, BaseModelFolder, export_model
-    from dspo.record import checkpoint_record
+    from dspo.runs.record import checkpoint_record
 
     checkpoint = read_checkpoint(ckpt_path, allow_foreign)
     base = checkpoint_model_dir(checkpoint, model_path)
@@ -253,7 +253,7 @@ def check_model_source(cfg: Any) -> None:
 
 def read_run_record(cfg: Any) -> tuple[dict[str, Any] | None, str]:
     """(the record of the run that trained the model, where it was read); None for a plain model."""
-    from dspo.record import RECORD_FILE, checkpoint_record, read_model_record
+    from dspo.runs.record import RECORD_FILE, checkpoint_record, read_model_record
 
     if cfg.get("ckpt_path"):
         source = str(cfg.ckpt_path)
@@ -267,9 +267,9 @@ def adopt_run_record(
     imports: list[str] | tuple[str, ...] = (),
     found: tuple[dict[str, Any] | None, str] | None = None,
 ) -> list[str]:
-    """Adopt the settings of the run that trained the model (`dspo.record`; it may name the targets of dspo and of
+    """Adopt the settings of the run that trained the model (`dspo.runs.record`; it may name the targets of dspo and of
     the `imports` modules only); the lines to show first. `found`: `read_run_record(cfg)` if already read."""
-    from dspo.record import adopt
+    from dspo.runs.record import adopt
 
     record, source = found or read_run_record(cfg)
     if record is None:
@@ -333,8 +333,8 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
     command line's (they win over the settings a trained model records)."""
     from hydra.utils import instantiate
 
-    from dspo.record import index_mismatch
-    from dspo.trust import import_modules
+    from dspo.runs.record import index_mismatch
+    from dspo.runs.trust import import_modules
 
     out = Path(output_dir)
     check_model_source(cfg)
@@ -379,8 +379,8 @@ def main() -> None:
 
     @hydra.main(config_path=conf_dir, config_name="eval", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
-        from dspo.console import quiet_console
-        from dspo.errors import user_errors
+        from dspo.process.console import quiet_console
+        from dspo.process.errors import user_errors
 
         quiet_console()
         hydra_cfg = HydraConfig.get()

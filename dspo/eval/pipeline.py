@@ -20,7 +20,7 @@ from typing import Any
 from torchmetrics import MetricCollection
 
 from dspo.agent.protocol import Agent, answering
-from dspo.metric_collections import benchmark_metrics
+from dspo.eval.answer_metrics import benchmark_metrics
 from dspo.metrics import exact_match, sub_exact_match, token_f1
 from dspo.types import QAItem, RolloutGroup
 
@@ -104,7 +104,7 @@ def _progress(total: int, description: str) -> Any:
 
 
 def update_metrics(metrics: dict[str, MetricCollection], predictions: Iterable[Prediction]) -> None:
-    """Feed predictions into per-benchmark collections (`dspo.metric_collections.benchmark_metrics`'s), one update
+    """Feed predictions into per-benchmark collections (`dspo.eval.answer_metrics.benchmark_metrics`'s), one update
     each."""
     by_benchmark: dict[str, list[Prediction]] = {}
     for prediction in predictions:

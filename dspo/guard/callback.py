@@ -127,8 +127,8 @@ class Guard(pl.Callback):
         if not hasattr(pl_module, "step_report"):
             raise ValueError(
                 f"guard: {type(pl_module).__name__} reports no steps (a `step_report` attribute, dspo.types.StepReport"
-                "): the guard cannot watch this module. Use dspo.module.DSPOModule, or turn the guard off with "
-                "guard.enabled=false"
+                "): the guard cannot watch this module. Use dspo.training.module.DSPOModule, or turn the guard off "
+                "with guard.enabled=false"
             )
         checkpoint = self._checkpoint(trainer)
         if checkpoint is not None:  # resumed: protect the targets and the checkpoints awaiting judgement again

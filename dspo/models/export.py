@@ -4,7 +4,7 @@ load. The end of training (`dspo.callbacks.rollout_callback.RolloutCallback.expo
 both write theirs with `export_model`.
 
 A folder holds the policy's weights with any LoRA adapters merged in, its config and tokenizer files, and the record
-of the run that trained it (`dspo_run.json`, `dspo.record`; the settings dspo-eval and dspo-rollout adopt). A LoRA
+of the run that trained it (`dspo_run.json`, `dspo.runs.record`; the settings dspo-eval and dspo-rollout adopt). A LoRA
 policy's adapter is also written, as a peft adapter folder beside it (`<folder>_adapter`, `dspo.models.lora`).
 
 The config and tokenizer files come from one of two sources (`ModelFiles`): the model in memory writes its own
@@ -59,7 +59,7 @@ class BaseModelFolder:
         from huggingface_hub import split_torch_state_dict_into_shards
         from safetensors.torch import save_file
 
-        from dspo.record import RECORD_FILE
+        from dspo.runs.record import RECORD_FILE
 
         folder.mkdir(parents=True, exist_ok=True)
         for item in Path(self.path).iterdir():  # config, generation config, tokenizer files: everything but weights
@@ -101,7 +101,7 @@ def export_model(
     """Write the policy's `weights` (Hugging Face names; LoRA adapters already merged in) with `files`' config and
     tokenizer to `folder`, the run `record` (None: none; `step`: the training step it was exported at) and the LoRA
     `adapter` beside it (None: not a LoRA policy)."""
-    from dspo.record import write_record
+    from dspo.runs.record import write_record
 
     target = Path(folder)
     files.write(target, weights)

@@ -15,9 +15,9 @@ autograd would keep too), and the backward scales it in place and runs the two m
 Why a workspace (`HeadWorkspace`, CPU float32 only): each chunk needs two `[k, V]` float32 buffers (the logits, then
 the log-probabilities), 0.6 GB each at k = 1,000 and a 151k vocabulary. PyTorch's CPU allocator hands such sizes to
 glibc's `posix_memalign`, which maps fresh pages for each one by default and, on the heap that
-`dspo.runtime.configure_allocator` keeps, often cannot hand a freed block back for the same size (the aligned request
-is larger than the block it freed; glibc 2.36): either way chunks paid the kernel's page faults and zeroing again
-(the update's lost time in issue 40's profile). The workspace keeps freed buffers for
+`dspo.process.runtime.configure_allocator` keeps, often cannot hand a freed block back for the same size (the aligned
+request is larger than the block it freed; glibc 2.36): either way chunks paid the kernel's page faults and zeroing
+again (the update's lost time in issue 40's profile). The workspace keeps freed buffers for
 the next chunk: the matmul and the log-softmax write into them (`out=`, the same kernels as `F.linear` and
 `log_softmax`, so the results are bit-identical), and the buffer the backward keeps is returned when the backward has
 used it. New buffers get 512 rows of headroom, so a slightly longer batch reuses them too. Between steps the workspace

@@ -2,10 +2,10 @@
 
 Under FSDP1 the parameters live as flat shards; a full state dict of the *root* wrapped module is gathered once per
 round (`FULL_STATE_DICT`, offloaded to CPU) and the policy's entries are picked by prefix. Under FSDP2 (`fully_shard`,
-`dspo.strategies.FSDP2Strategy`) each parameter is a DTensor shard: the policy's entries are picked first and gathered
-one by one (`full_tensor()`, an all-gather every rank joins, in the same order), so the reference model is never
-gathered; every rank gets the full weights, as every rank pushes them into its own engine. Wrapper prefixes that FSDP
-and activation checkpointing insert into names are removed so names match the Hugging Face checkpoint the engine
+`dspo.training.strategies.FSDP2Strategy`) each parameter is a DTensor shard: the policy's entries are picked first and
+gathered one by one (`full_tensor()`, an all-gather every rank joins, in the same order), so the reference model is
+never gathered; every rank gets the full weights, as every rank pushes them into its own engine. Wrapper prefixes that
+FSDP and activation checkpointing insert into names are removed so names match the Hugging Face checkpoint the engine
 loaded.
 """
 

@@ -14,7 +14,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from dspo.runtime import run_command
+from dspo.process.runtime import run_command
 from dspo.types import DEFAULT_ROLE, RolloutGroup
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -70,12 +70,12 @@ EXAMPLE = "dspo-rollout model.path=outputs/train/RUN/model n=8 output=rollouts.j
 
 
 def adopt_run_record(cfg: DictConfig, overrides: list[str], imports: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """The agent, engine and retriever of the run that trained `model.path` (`dspo.record`), unless overridden; with
-    no `data.path`, its first training file. The record may name the targets of dspo and of the `imports` modules only.
-    Returns the lines to show first."""
+    """The agent, engine and retriever of the run that trained `model.path` (`dspo.runs.record`), unless overridden;
+    with no `data.path`, its first training file. The record may name the targets of dspo and of the `imports` modules
+    only. Returns the lines to show first."""
     from omegaconf import OmegaConf, open_dict
 
-    from dspo.record import RECORD_FILE, adopt, read_model_record
+    from dspo.runs.record import RECORD_FILE, adopt, read_model_record
 
     source = str(Path(str(cfg.model.path)).expanduser() / RECORD_FILE)
     record = read_model_record(cfg.model.path)
@@ -97,7 +97,7 @@ def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) ->
 
     from dspo.agent import build_agent, check_agent_settings
     from dspo.data.qa import load_qa
-    from dspo.trust import import_modules
+    from dspo.runs.trust import import_modules
 
     model_path = _require_path(cfg.model.path, "model.path", "directory")
     imports = import_modules(cfg.get("imports"))  # the user's plug-ins: a record may name their targets
@@ -131,8 +131,8 @@ def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) ->
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from dspo.console import quiet_console
-    from dspo.errors import user_errors
+    from dspo.process.console import quiet_console
+    from dspo.process.errors import user_errors
 
     quiet_console()
     with user_errors("dspo-rollout", EXAMPLE):

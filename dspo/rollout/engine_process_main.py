@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from dspo.process.runtime import end_process
 from dspo.rollout.faults import fault_point
 from dspo.rollout.messages import (
     Command,
@@ -35,7 +36,6 @@ from dspo.rollout.messages import (
 )
 from dspo.rollout.spec import POLL_S, WorkerSpec, round_seed
 from dspo.rollout.transfer import parent_alive
-from dspo.runtime import end_process
 
 
 class EngineProcessLoop:
@@ -198,8 +198,8 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
         os.setpgid(0, 0)
     threading.Thread(target=_exit_with_the_trainer, args=(parent_alive(),), name="dspo-orphan", daemon=True).start()
     try:
-        from dspo.console import quiet_console
-        from dspo.trust import import_modules
+        from dspo.process.console import quiet_console
+        from dspo.runs.trust import import_modules
 
         # a spawned process inherits neither the trainer's log handlers nor its filters: records would reach Python's
         # last-resort handler unfiltered
@@ -221,6 +221,6 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
         results.cancel_join_thread()
     except BaseException:  # everything reaches the trainer, which raises it with a failure checkpoint
         results.put(Failed(traceback.format_exc()))
-    # without the interpreter's teardown (dspo.runtime.run_command): with vLLM it outlasted the trainer's 2 s wait in
-    # `EngineProcess.close`, so every run's end waited 2 s and then killed the engine process (measured)
+    # without the interpreter's teardown (dspo.process.runtime.run_command): with vLLM it outlasted the trainer's 2 s
+    # wait in `EngineProcess.close`, so every run's end waited 2 s and then killed the engine process (measured)
     end_process(0)

@@ -81,7 +81,7 @@ def run_serve(cfg: DictConfig) -> None:
 @hydra.main(config_path=CONF_DIR, config_name="index", version_base="1.3")
 def index_main(cfg: DictConfig) -> None:
     """`dspo-index corpus=PATH output=DIR [backend=bm25s|tantivy|rank_bm25]`."""
-    from dspo.errors import user_errors
+    from dspo.process.errors import user_errors
 
     with user_errors("dspo-index", "dspo-index corpus=data/hotpotqa_dev500/corpus.jsonl.gz output=outputs/index"):
         run_index(cfg)
@@ -90,7 +90,7 @@ def index_main(cfg: DictConfig) -> None:
 @hydra.main(config_path=CONF_DIR, config_name="serve", version_base="1.3")
 def serve_main(cfg: DictConfig) -> None:
     """`dspo-serve index=DIR [host=127.0.0.1] [port=8000] [workers=1]`."""
-    from dspo.errors import user_errors
+    from dspo.process.errors import user_errors
 
     with user_errors("dspo-serve", "dspo-serve index=outputs/index port=8000   (an index written by dspo-index)"):
         run_serve(cfg)

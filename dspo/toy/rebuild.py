@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspo.cachedir import staged_folder, write_atomically
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions that need them (start-up of --help)
     from dspo.types import Trajectory
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import dspo  # noqa: F401  registers the config resolvers
-    from dspo.console import quiet_console
+    from dspo.process.console import quiet_console
 
     quiet_console()
 

@@ -1,4 +1,5 @@
-"""dspo's Hydra launchers where Hydra looks for plugins (`hydra/launcher=local|slurm`; the code is dspo.launchers).
+"""dspo's Hydra launchers where Hydra looks for plugins (`hydra/launcher=local|slurm`; the code is
+dspo.sweeps.launchers).
 
 Without the cluster extra (Hydra's submitit plugin), the classes still exist so that Hydra's plugin scan stays quiet,
 and selecting one says what to install."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 try:
-    from dspo.launchers import LocalLauncherBase, SlurmLauncherBase
+    from dspo.sweeps.launchers import LocalLauncherBase, SlurmLauncherBase
 except ImportError as missing:  # pragma: no cover - the cluster extra is part of dev
     from hydra.plugins.launcher import Launcher
 
@@ -26,8 +27,8 @@ except ImportError as missing:  # pragma: no cover - the cluster extra is part o
 
 
 class LocalLauncher(LocalLauncherBase):  # type: ignore[valid-type, misc]
-    """`hydra/launcher=local`: dspo.launchers.LocalLauncherBase."""
+    """`hydra/launcher=local`: dspo.sweeps.launchers.LocalLauncherBase."""
 
 
 class SlurmLauncher(SlurmLauncherBase):  # type: ignore[valid-type, misc]
-    """`hydra/launcher=slurm`: dspo.launchers.SlurmLauncherBase."""
+    """`hydra/launcher=slurm`: dspo.sweeps.launchers.SlurmLauncherBase."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspo.analysis import find_runs, load_scalars
+from dspo.sweeps.analysis import find_runs, load_scalars
 
 # a 2-hop episode with its prompt takes ~344 tokens on the toy: with two searches the second response only fits
 # after the first is compacted

@@ -3,7 +3,8 @@ too (issue 70, item 3): dspo and gspo take one ratio and one clip decision per e
 rows' weights carry each sample's share |y_sample| / |y_episode| (`PolicyBatch.sample_scale`, as `DSPOModule`
 applies it), grpo's per-row token mean scaled by that share is the episode's token mean, dapo's token mean needs
 nothing. Hand-computed cases first, then a property test over random episodes, splits, deltas, clips and weights.
-`tests/test_module.py::test_split_episodes_train_as_unsplit_off_policy_through_the_module` does it through the module.
+`tests/training/test_module.py::test_split_episodes_train_as_unsplit_off_policy_through_the_module` does it through the
+module.
 """
 
 from __future__ import annotations

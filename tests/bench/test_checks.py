@@ -23,7 +23,7 @@ def test_measured_figures_pass_and_missing_ones_are_named(bench) -> None:
 
 def test_a_sides_error_fails_the_run_with_its_tail(bench) -> None:
     checks = bench("_checks")
-    tail = "Traceback ...\nAttributeError: module 'dspo.module' has no attribute 'policy_loss'"
+    tail = "Traceback ...\nAttributeError: module 'dspo.training.module' has no attribute 'policy_loss'"
     with pytest.raises(SystemExit, match="dspo side failed:(.|\n)*no attribute 'policy_loss'"):
         checks.require_measured("x", {"a": 1.0}, {"dspo side": tail, "other side": None})
 

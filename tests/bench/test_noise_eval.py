@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 
 
 def test_a_model_is_pushed_with_its_tied_output_layer(bench) -> None:

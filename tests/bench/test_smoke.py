@@ -1,6 +1,6 @@
 """Every script of bench/ in its smoke mode (tiny sizes, one repeat; the commands bench/README.md lists): each must
 exit 0, which it does only when every figure it reports was measured (bench/_checks.py). A benchmark whose wrapped code
-moved (issue 40: `dspo.module.policy_loss`) fails here, not silently in a later re-measurement."""
+moved (issue 40: `dspo.training.module.policy_loss`) fails here, not silently in a later re-measurement."""
 
 from __future__ import annotations
 

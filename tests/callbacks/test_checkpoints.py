@@ -155,8 +155,8 @@ def test_invalid_settings_name_their_key(tmp_path: Path) -> None:
 def test_round_checkpoints_stay_on_round_boundaries_after_a_skipped_step(tmp_path: Path) -> None:
     """Issue 29 (2): a skipped (non-finite) step leaves the global step one behind the slots; saves must still fall at
     the end of a round (the environment callback's cursor is 0 in every saved state), counted in rounds."""
-    from dspo.module import DSPOModule
     from dspo.testing import build_toy_lm, toy_run
+    from dspo.training.module import DSPOModule
 
     class PoisonSecondStep(DSPOModule):
         def training_step(self, slot, batch_idx):

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dspo.module import DSPOModule
 from dspo.testing import RecordingEngine, ScriptedAgent, build_toy_lm, toy_run
+from dspo.training.module import DSPOModule
 
 
 @dataclass

@@ -19,10 +19,10 @@ from dspo.callbacks.rollout_callback import RolloutCallback, module_root, traine
 from dspo.data.datamodule import EvalSlot
 from dspo.models import ModelConfig
 from dspo.models.weights import policy_weights
-from dspo.module import DSPOModule
 from dspo.rollout.link import TrainerLink
 from dspo.rollout.sides import InProcessSide
 from dspo.testing import RecordingEngine, build_toy_lm, toy_run
+from dspo.training.module import DSPOModule
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_the_trained_policy_is_exported_unless_preempted(lm_dir, tmp_path, caplo
 
     from transformers import AutoModelForCausalLM
 
-    from dspo.record import read_model_record
+    from dspo.runs.record import read_model_record
 
     run = toy_run(lm_dir, str(tmp_path), 2)
     run.module.run_record = {"format": 1, "config": {"rollout": {"agent": {"max_turns": 3}}}}  # as dspo.train sets it

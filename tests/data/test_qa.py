@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dspo.data.qa import QADataError, check_source, load_benchmarks, load_qa, looks_like_path
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 
 BENCHMARKS = data_dir() / "benchmarks"
 COUNTS = {

@@ -12,8 +12,8 @@ import torch
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.round_builder import build_round, episode_samples
 from dspo.models import ModelConfig
-from dspo.module import DSPOModule, OptimizerConfig
 from dspo.testing import build_toy_lm, split_episode
+from dspo.training.module import DSPOModule, OptimizerConfig
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 

@@ -8,8 +8,8 @@ import torch
 
 from dspo.algorithms.config import AlgorithmConfig
 from dspo.data.round_builder import build_round, pack_by_tokens, split_to
-from dspo.module import DSPOModule
 from dspo.testing import build_toy_lm, toy_run
+from dspo.training.module import DSPOModule
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 

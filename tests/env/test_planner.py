@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dspo.agent.tool_calling import ToolCallingAgent
-from dspo.combinations import refusals
 from dspo.engines import HFEngine
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment, SearchTool
@@ -18,10 +17,11 @@ from dspo.env.answerer import AnswerRequest, EngineAnswerer, ScriptedAnswerer
 from dspo.env.planner import SEARCHR1_INSTRUCTION, AskAnswererTool, Costs, PlannerReward
 from dspo.env.rewards import EpisodeRecord, TurnRecord
 from dspo.env.tools import InvalidCall, ToolResult
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.rollout.link import TrainerLink
 from dspo.rollout.sides import InProcessSide
 from dspo.testing import compose_config
+from dspo.training.combinations import refusals
 from dspo.types import Passage, QAItem
 
 BRIKOR = Passage("p0", "Brikor Corp", "Brikor Corp was founded by Tares Brumin in 1998.")

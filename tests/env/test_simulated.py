@@ -22,7 +22,7 @@ from dspo.env.simulated import (
     parse_document,
 )
 from dspo.env.tools import CallContext
-from dspo.resources import QWEN_TOKENIZER, data_dir
+from dspo.process.resources import QWEN_TOKENIZER, data_dir
 from dspo.types import Generation, Passage, QAItem
 
 REPO = Path(__file__).resolve().parents[2]

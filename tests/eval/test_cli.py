@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from dspo.eval.cli import CheckpointError, export_checkpoint, load_eval_sets
 from dspo.eval.pipeline import read_predictions, score
 from dspo.metrics import exact_match, sub_exact_match, token_f1
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = data_dir()
@@ -386,7 +386,7 @@ def test_a_planted_record_runs_nothing(tmp_path: Path, monkeypatch, capsys, targ
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from dspo.record import run_record, write_record
+    from dspo.runs.record import run_record, write_record
     from dspo.testing import build_toy_lm
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -418,9 +418,9 @@ class _Touch:
 
 def test_a_planted_interpolated_target_runs_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
     """Issue 53 (1), the review's trigger as a new user meets it: `dspo-eval model.path=<folder>` on a folder whose
-    record names `dspo.${oc.select:x,checkpointing.torch.load}` (Hydra builds `torch.load`, which its blocklist lets
-    through) with a pickle beside it. Before, the command ran the pickle; now it is a one-line refusal."""
-    from dspo.record import run_record, write_record
+    record names `dspo.${oc.select:x,runs.checkpoint_files.torch.load}` (Hydra builds `torch.load`, which its blocklist
+    lets through) with a pickle beside it. Before, the command ran the pickle; now it is a one-line refusal."""
+    from dspo.runs.record import run_record, write_record
     from dspo.testing import build_toy_lm, compose_config
 
     pwned = tmp_path / "pwned-torch-load"
@@ -431,7 +431,7 @@ def test_a_planted_interpolated_target_runs_nothing(tmp_path: Path, monkeypatch,
     questions.write_text(json.dumps({"id": "1", "question": "Who?", "golden_answers": ["Ada"]}) + "\n")
     record["config"]["data"] = {"test_files": {"planted": str(questions)}, "test_limit": 1}
     record["config"]["retriever"] = {
-        "_target_": "dspo.${oc.select:x,checkpointing.torch.load}",
+        "_target_": "dspo.${oc.select:x,runs.checkpoint_files.torch.load}",
         "_args_": [f"{model}/extra.pt"],
         "weights_only": False,
     }
@@ -440,13 +440,13 @@ def test_a_planted_interpolated_target_runs_nothing(tmp_path: Path, monkeypatch,
     assert not pwned.exists()
     assert code == 2 and "Traceback" not in err, err
     (line,) = [line for line in err.splitlines() if line.startswith("dspo-eval: error: ")]
-    assert "retriever._target_='dspo.${oc.select:x,checkpointing.torch.load}' is interpolated" in line, err
+    assert "retriever._target_='dspo.${oc.select:x,runs.checkpoint_files.torch.load}' is interpolated" in line, err
 
 
 def test_a_foreign_folder_checkpoint_is_not_unpickled(tmp_path: Path, monkeypatch, capsys) -> None:
     """Issue 39 (1): torch's distributed-checkpoint reader unpickles a folder checkpoint's `.metadata`; one that
     belongs to another user is refused unless `allow_foreign_checkpoint=true`."""
-    import dspo.trust
+    import dspo.runs.trust
 
     pwned = tmp_path / "pwned-metadata"
 
@@ -458,7 +458,7 @@ def test_a_foreign_folder_checkpoint_is_not_unpickled(tmp_path: Path, monkeypatc
     folder.mkdir()
     torch.save({"global_step": 3}, folder / "meta.pt")
     (folder / ".metadata").write_bytes(pickle.dumps(Planted()))
-    monkeypatch.setattr(dspo.trust, "_owner", lambda path: os.getuid() + 1)  # as if another user's
+    monkeypatch.setattr(dspo.runs.trust, "_owner", lambda path: os.getuid() + 1)  # as if another user's
     code, err = run_eval_main(monkeypatch, capsys, tmp_path, f"ckpt_path={folder}")
     assert not pwned.exists()
     assert code == 2 and "Traceback" not in err, err

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dspo.agent import AgentRollout
+from dspo.eval.answer_metrics import benchmark_metrics
 from dspo.eval.pipeline import (
     AVERAGE,
     Prediction,
@@ -20,7 +21,6 @@ from dspo.eval.pipeline import (
     update_metrics,
     write_results,
 )
-from dspo.metric_collections import benchmark_metrics
 from dspo.types import QAItem, RolloutGroup, Trajectory
 
 

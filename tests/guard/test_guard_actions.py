@@ -200,7 +200,7 @@ def test_a_module_without_step_reports_is_named_with_the_way_out():
         Guard().on_train_start(SimpleNamespace(callbacks=[]), Bare())
     message = str(error.value)
     assert message.startswith("guard: Bare reports no steps (a `step_report` attribute, dspo.types.StepReport)")
-    assert message.endswith("Use dspo.module.DSPOModule, or turn the guard off with guard.enabled=false")
+    assert message.endswith("Use dspo.training.module.DSPOModule, or turn the guard off with guard.enabled=false")
 
 
 # ------------------------------------------------------------------------------------------------ the ledger

@@ -1,7 +1,7 @@
 """Issue 38: the run-ahead path (`rollout.max_staleness` >= 1) under faults, each injected at a named point
 (`dspo.rollout.faults`, `DSPO_FAULT`). Every wait runs under a deadline: a hang fails the test instead of the suite.
 The engine process runs the scripted agent and a recording engine (`dspo.testing`). Two ranks failing apart are in
-tests/test_module_distributed.py."""
+tests/training/test_module_distributed.py."""
 
 from __future__ import annotations
 
@@ -314,8 +314,8 @@ def test_a_failure_checkpoint_keeps_the_prompts_of_the_round_it_did_not_train(lm
     step-2 checkpoint, so a resume trains round 2's prompts (it skipped to round 3's)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from dspo.module import DSPOModule
     from dspo.train import fit_or_checkpoint
+    from dspo.training.module import DSPOModule
 
     every = ModelCheckpoint(dirpath=tmp_path / "full" / "ckpt", every_n_train_steps=1, save_top_k=-1)
     full = toy_run(lm_dir, str(tmp_path / "full"), 3, max_staleness=max_staleness, callbacks=(every,))

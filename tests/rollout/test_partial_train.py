@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspo.analysis import find_runs, load_scalars
+from dspo.sweeps.analysis import find_runs, load_scalars
 
 PARTIAL = ["experiment=toy_deep", "rollout.max_staleness=1", "rollout.partial_rollouts=true"]
 

@@ -323,7 +323,9 @@ def test_the_engine_process_runs_on_its_devices_and_a_failed_start_brings_its_tr
     finally:
         process = worker.process
         worker.close()
-    assert process.exitcode == 0  # it ended by itself once its error was sent (dspo.runtime.end_process), not killed
+    assert (
+        process.exitcode == 0
+    )  # it ended by itself once its error was sent (dspo.process.runtime.end_process), not killed
 
 
 class Preempt(pl.Callback):

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.search.base import Retriever
 from dspo.search.bm25 import BM25Index, Tokenizer, _top_k, build_or_load_index, load_retriever, recall_at_k
 from dspo.search.corpus import load_corpus

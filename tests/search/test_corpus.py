@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.search.corpus import iter_corpus, load_corpus, split_contents
 
 HOTPOTQA_CORPUS = data_dir() / "hotpotqa_dev500" / "corpus.jsonl.gz"

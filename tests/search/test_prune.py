@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.search.bm25 import BM25Index
 from dspo.search.corpus import load_corpus
 from dspo.search.prune import CscMatrix, exact_scores, pruned_top_k, rank

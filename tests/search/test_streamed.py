@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.search.backends import import_bm25s
 from dspo.search.bm25 import BM25Index, Tokenizer, build_index_streamed, build_or_load_index, read_manifest
 from dspo.search.corpus import load_corpus

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.search.bm25 import BM25Index, build_index_streamed, load_retriever, read_manifest
 from dspo.search.corpus import load_corpus
 from dspo.types import Passage

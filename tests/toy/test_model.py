@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.toy.model import build_tiny_model, steer_tiny_model
 
 QWEN_TOKENIZER = data_dir() / "tokenizers" / "qwen2.5"

@@ -42,7 +42,7 @@ def test_report_refuses_a_folder_without_a_model(tmp_path, capsys) -> None:
 def test_rebuild_writes_outside_the_repository_unless_asked(capsys) -> None:
     """`python -m dspo.toy.rebuild` writes outputs/toy_warmstart; the tracked data/toy_warmstart/ only with
     --update-shipped (the slow rebuild test passes --output DIR)."""
-    from dspo.resources import data_dir
+    from dspo.process.resources import data_dir
     from dspo.toy.rebuild import parse_args
 
     assert Path(parse_args([]).output) == Path("outputs") / "toy_warmstart"
@@ -56,7 +56,7 @@ def test_rebuild_writes_outside_the_repository_unless_asked(capsys) -> None:
 def test_the_deep_warm_start_ships_its_model_beside_the_default() -> None:
     """experiment=toy_deep's warm start (a fine-tune of the shipped model, same tokenizer): --update-shipped writes
     data/toy_deep_warmstart (model/ only), never data/toy_warmstart."""
-    from dspo.resources import data_dir
+    from dspo.process.resources import data_dir
     from dspo.toy.rebuild import parse_args
 
     args = parse_args(["--update-shipped", "experiment=toy_deep"])

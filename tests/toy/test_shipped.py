@@ -13,7 +13,7 @@ import pytest
 from hydra.utils import instantiate
 
 import dspo.toy.warmstart as warmstart
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.toy.rebuild import compose_train
 from dspo.toy.shipped import adopt_shipped
 

@@ -8,7 +8,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 
-from dspo.resources import data_dir
+from dspo.process.resources import data_dir
 from dspo.toy import tokenizer as tk
 from dspo.toy.world import ToyWorldConfig, generate_world
 

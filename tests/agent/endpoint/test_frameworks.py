@@ -16,9 +16,9 @@ import torch
 
 from dspo.agent import AgentConfig
 from dspo.agent.endpoint import EndpointAgent
-from dspo.analysis import find_runs, load_scalars
 from dspo.engines.scripted import ScriptedEngine
 from dspo.env import Environment, SearchTool, SubEMReward
+from dspo.sweeps.analysis import find_runs, load_scalars
 from dspo.types import QAItem
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "docs" / "examples"

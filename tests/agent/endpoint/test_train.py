@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspo.analysis import find_runs, load_scalars
+from dspo.sweeps.analysis import find_runs, load_scalars
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "docs" / "examples"
 
