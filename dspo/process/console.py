@@ -62,6 +62,15 @@ _VLLM_MESSAGES: list[tuple[str, str]] = [
     ("Triton not installed or not compatible", "INFO at import, before vLLM's own log level applies"),
 ]
 
+# vLLM logger messages matched by a pattern (a name in them varies): (regex of the message start, why harmless here).
+_VLLM_PATTERNS: list[tuple[str, str]] = [
+    (
+        r"Kernel \S+ is already registered\. Overwriting\.",
+        "vLLM's platform registers its kernel overrides each time an engine starts: every job of a sweep after the "
+        "first, in one process, registers the same kernels again",
+    ),
+]
+
 _LIGHTNING_INFO = [
     "💡 Tip:",  # Lightning's advertisement for an optional logging product
     "`Trainer(limit_val_batches=1.0)` was configured",  # conf/trainer/cpu.yaml states the default to be overridable
@@ -69,17 +78,22 @@ _LIGHTNING_INFO = [
 
 
 class _DropMessages(logging.Filter):
-    """Drops records of loggers under `prefix` whose message starts with one of `starts`."""
+    """Drops records of loggers under `prefix` whose message starts with one of `starts` or matches one of
+    `patterns` (regular expressions) at its start."""
 
-    def __init__(self, prefix: str, starts: list[str]) -> None:
+    def __init__(self, prefix: str, starts: list[str], patterns: list[str] | None = None) -> None:
         super().__init__()
-        self.prefix, self.pattern = prefix, re.compile("|".join(re.escape(s) for s in starts))
+        alternatives = [re.escape(s) for s in starts] + list(patterns or [])
+        self.prefix, self.pattern = prefix, re.compile("|".join(alternatives))
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.name.startswith(self.prefix) and self.pattern.match(record.getMessage()))
 
 
-_FILTERS = [_DropMessages("vllm", [m for m, _ in _VLLM_MESSAGES]), _DropMessages("lightning", _LIGHTNING_INFO)]
+_FILTERS = [
+    _DropMessages("vllm", [m for m, _ in _VLLM_MESSAGES], [p for p, _ in _VLLM_PATTERNS]),
+    _DropMessages("lightning", _LIGHTNING_INFO),
+]
 
 
 def _verbose() -> bool:

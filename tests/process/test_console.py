@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 import tempfile
@@ -172,3 +173,26 @@ def test_lightning_lines_print_once_under_a_root_handler() -> None:
         assert lightning_logger.handlers == [] and lightning_logger.propagate
     finally:
         root.handlers, lightning_logger.handlers = saved
+
+
+def test_vllm_notices_are_dropped_by_their_start_and_nothing_else_is() -> None:
+    """The vLLM filter drops the listed notices (exact starts) and the kernel re-registration that every sweep job
+    after the first logged 11 times (a pattern: the kernel's name varies), and keeps any other record,
+    of vLLM or not."""
+
+    def record(name: str, message: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, message, args, None)
+
+    vllm = console.vllm_notice_filter()
+    dropped = [
+        record("vllm.triton_utils.dispatcher", "Kernel %s is already registered. Overwriting.", "vllm.v1.x.kernel"),
+        record("vllm.config", "Enforce eager set, disabling torch.compile"),
+    ]
+    kept = [
+        record("vllm.triton_utils.dispatcher", "Kernel %s failed to register", "vllm.v1.x.kernel"),
+        record("vllm.engine", "the run said: Kernel a is already registered. Overwriting."),  # not at the start
+        record("dspo.train", "Kernel %s is already registered. Overwriting.", "x"),  # not vLLM's
+        record("vllm.engine", "out of memory"),
+    ]
+    assert [vllm.filter(r) for r in dropped] == [False, False]
+    assert [vllm.filter(r) for r in kept] == [True] * 4
