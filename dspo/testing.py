@@ -24,6 +24,16 @@ from dspo.types import QAItem, RolloutGroup, Trajectory
 
 TOY_VOCAB = 48
 
+# Each Hydra console script and its primary config (conf/<name>.yaml): what the docs and --help tests compose.
+HYDRA_COMMANDS = {
+    "dspo-train": "train",
+    "dspo-eval": "eval",
+    "dspo-index": "index",
+    "dspo-serve": "serve",
+    "dspo-rollout": "rollout_cli",
+    "dspo-prepare-data": "prepare_data",
+}
+
 
 def build_toy_lm(output_dir: str, vocab_size: int = TOY_VOCAB, seed: int = 0) -> str:
     """A 1-layer Qwen2 causal LM (hidden 16) saved with `save_pretrained`; float32, dropout-free."""

@@ -24,18 +24,13 @@ from urllib.parse import unquote
 
 import pytest
 
+from dspo.testing import HYDRA_COMMANDS
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # each console script's primary config (conf/<name>.yaml)
-CONFIGS = {
-    "dspo-train": "train",
-    "dspo-eval": "eval",
-    "dspo-index": "index",
-    "dspo-serve": "serve",
-    "dspo-rollout": "rollout_cli",
-    "dspo-prepare-data": "prepare_data",
-}
+CONFIGS = HYDRA_COMMANDS
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
 SHELL_FENCES = {"", "bash", "sh", "shell", "console", "zsh", "text"}
 SKIP_MARKER = re.compile(r"<!--\s*docs-test:\s*skip\b\s*(.*?)\s*-->")

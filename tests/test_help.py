@@ -13,17 +13,10 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from dspo.testing import compose_config
+from dspo.testing import HYDRA_COMMANDS, compose_config
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {
-    "dspo-train": "train",
-    "dspo-eval": "eval",
-    "dspo-index": "index",
-    "dspo-serve": "serve",
-    "dspo-rollout": "rollout_cli",
-    "dspo-prepare-data": "prepare_data",
-}
+CONFIGS = HYDRA_COMMANDS
 
 
 @pytest.fixture(scope="module")

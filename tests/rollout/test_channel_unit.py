@@ -18,29 +18,11 @@ import pytest
 from dspo.rollout import channel, faults
 from dspo.rollout.channel import Replies, ReplySender, _write_all
 from dspo.rollout.faults import FaultInjected
+from dspo.testing import within
 
 ROUND = "engine.mid_write_round"
 PREDICTIONS = "engine.mid_write_predictions"
 PIPE_BUFFER = 65_536  # Linux's default pipe capacity
-
-
-def within(seconds: float, call):
-    """`call()` in a daemon thread: its value, or its error; fails if it has not returned within `seconds` (a hang)."""
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as error:  # noqa: BLE001 - handed to the test
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still waiting after {seconds} s: a hang"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 @pytest.fixture(autouse=True)
