@@ -32,6 +32,7 @@ HYDRA_COMMANDS = {
     "dspo-serve": "serve",
     "dspo-rollout": "rollout_cli",
     "dspo-prepare-data": "prepare_data",
+    "dspo-plan": "train",
 }
 
 

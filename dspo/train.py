@@ -192,6 +192,7 @@ def _train(cfg: DictConfig) -> float | None:
 
     from dspo.callbacks.checkpoints import preempted
     from dspo.process.console import one_lightning_console
+    from dspo.training.plan_report import check_plan
 
     one_lightning_console()
 
@@ -201,6 +202,7 @@ def _train(cfg: DictConfig) -> float | None:
     ckpt_path = _resume_in_place(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     prepare(cfg)
+    check_plan(cfg)  # on a GPU: the memory plan, refused before the model loads if it cannot fit (dspo-plan)
     objects = build(cfg)
     trainer, module, datamodule = objects["trainer"], objects["module"], objects["datamodule"]
     fit_or_checkpoint(trainer, module, datamodule, ckpt_path)

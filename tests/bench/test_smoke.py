@@ -30,6 +30,7 @@ SMOKE = {
     "lora": "--shape tiny --sequences 2 --length 32 --micro-batch-size 1 --repeats 1 --threads 2",
     "lora_push": "--hidden-size 64 --num-layers 1 --num-heads 2 --num-kv-heads 1 --intermediate 128 --pushes 1 "
     "--prompts 2 --max-new-tokens 4",
+    "plan_check": "--cases tiny-full --length 32 --threads 2",
     "retrieval_scale": "--scale 3000 --workdir scale",  # bench/_scale.py: wiki-shaped corpus, both streamed backends
     "environments": "--run --setups simulated_noisy --seeds 0 --root envs --noise-eval 0 0.5 --override "
     "trainer.max_steps=2 trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
@@ -55,7 +56,7 @@ def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script", ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "lora", "lora_push"]
+    "script", ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "lora", "lora_push", "plan_check"]
 )
 def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
     run_bench(script, SMOKE[script].split(), tmp_path)
