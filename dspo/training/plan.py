@@ -1,8 +1,9 @@
 """The memory plan of a run: what one device holds while it generates, updates and pushes weights (`dspo-plan`).
 
 Pure arithmetic over typed inputs (`ModelShape`, `PlanSettings`); `dspo.training.plan_config` reads them from a
-composed config and `dspo.plan` is the command. Every term says how it was computed; docs/memory.md#the-memory-plan-dspo-plan
-holds the derivations and the measurements that check them (`bench/plan_check.py`).
+composed config and `dspo.plan` is the command. Every term says how it was computed;
+docs/memory.md#the-memory-plan-dspo-plan holds the derivations and the measurements that check them
+(`bench/plan_check.py`).
 
 Why this departs from docs/scaling.md's hand-computed tables (written before this module):
 - The residual stream stays in the master weights' dtype under autocast (Qwen2's RMSNorm and residual adds run in
@@ -198,17 +199,17 @@ def _state_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
 def _update_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
     """Activations of one micro-batch (its longest sequences), the LM head's kept probabilities, FSDP2's gathers."""
     tokens, h, a, r = s.micro_tokens, shape.hidden, s.compute_bytes, s.master_bytes
-    layer = tokens * layer_activation_bytes(shape, a, r)
+    layer = tokens * layer_activation_bytes(shape, a, r, not s.lora)
     terms = []
     if s.gradient_checkpointing:
         saved = shape.layers * tokens * h * r
         terms.append(
             Term("checkpointed layer inputs", f"{shape.layers} x {tokens:,} tokens x {h} x {r} B", saved, UPDATE)
         )
-        how = f"{tokens:,} tokens x {layer_activation_bytes(shape, a, r):,} B"
+        how = f"{tokens:,} tokens x {layer_activation_bytes(shape, a, r, not s.lora):,} B"
         terms.append(Term("one layer recomputed", how, layer, UPDATE))
     else:
-        how = f"{shape.layers} layers x {tokens:,} tokens x {layer_activation_bytes(shape, a, r):,} B"
+        how = f"{shape.layers} layers x {tokens:,} tokens x {layer_activation_bytes(shape, a, r, not s.lora):,} B"
         terms.append(Term("activations", how, shape.layers * layer, UPDATE))
     mask = tokens * s.sequence_tokens  # a [sequences, 1, L, L] boolean mask
     streams = 3 * tokens * h * r  # the final norm's input and output, the hidden states' gradient
@@ -227,7 +228,7 @@ def _head_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
     k, v, a, r = s.trained_tokens, shape.vocab, s.compute_bytes, s.master_bytes
     chunk = min(s.head_chunk_rows, max(k, 1))
     kept = k * v * 4 + k * shape.hidden * r
-    transient = 2 * chunk * v * 4  # a chunk's logits and log-probabilities before the first is freed
+    transient = chunk * v * 4  # the last chunk's logits beside its probabilities (counted with every chunk's in `kept`)
     terms = [
         Term(
             "LM head: p kept for backward",
@@ -235,7 +236,7 @@ def _head_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
             kept,
             UPDATE,
         ),
-        Term("LM head: one chunk's logits", f"2 x {chunk:,} rows x {v:,} x 4 B", transient, UPDATE),
+        Term("LM head: one chunk's logits", f"{chunk:,} rows x {v:,} x 4 B", transient, UPDATE),
     ]
     if not s.lora:  # the head's weight gradient of a chunk: [V, H] in the compute dtype, cast to the master's
         grad = v * shape.hidden * (a + r if a != r else r)
@@ -307,13 +308,21 @@ def _engine_terms(e: EngineSettings, s: PlanSettings) -> tuple[list[Term], int]:
     ], kv // per_token
 
 
-def layer_activation_bytes(shape: ModelShape, compute_bytes: int, residual_bytes: int) -> int:
+def layer_activation_bytes(
+    shape: ModelShape, compute_bytes: int, residual_bytes: int, trained_norms: bool = True
+) -> int:
     """Bytes autograd keeps per token for one Qwen2/Llama-style decoder layer (no checkpointing):
-    the layer input and the mid-layer residual (residual dtype), each RMSNorm's fp32 normalized input and its output
-    cast for the projections, SDPA's query / repeated key / repeated value / output and o_proj's contiguous input
-    (5 x heads x head dim), and the MLP's gate, SiLU, up and product (4 x intermediate)."""
+    - the layer input and the mid-layer residual (residual dtype);
+    - each RMSNorm's fp32 normalized input when its weight is trained (autograd keeps a product's other factor only
+      for a factor that needs a gradient: with LoRA the norms are frozen), and its output as the projections keep
+      it: one shared tensor without autocast, one cast copy per projection under it (autocast caches casts of
+      weights, not of activations): 3 for q/k/v, 2 for gate/up;
+    - SDPA's query / repeated key / repeated value / output and o_proj's contiguous input (5 x heads x head dim);
+    - the MLP's gate, SiLU, up and product (4 x intermediate)."""
     h, q, i, a, r = shape.hidden, shape.attention_width, shape.intermediate, compute_bytes, residual_bytes
-    return 2 * r * h + 2 * (4 * h + a * h) + 5 * q * a + 4 * i * a
+    normalized = 2 * 4 * h if trained_norms else 0
+    norm_outputs = (3 + 2) * a * h if a != r else 2 * a * h
+    return 2 * r * h + normalized + norm_outputs + 5 * q * a + 4 * i * a
 
 
 def engine_activation_bytes(e: EngineSettings) -> int:
