@@ -192,9 +192,11 @@ def _train(cfg: DictConfig) -> float | None:
 
     from dspo.callbacks.checkpoints import preempted
     from dspo.process.console import one_lightning_console
+    from dspo.process.progress_log import route_progress_lines
     from dspo.training.plan_report import check_plan
 
     one_lightning_console()
+    route_progress_lines()  # progress lines: train.log always, the console when it is no terminal (redirected)
 
     import_modules(cfg.get("imports"))  # first: user objectives and modes exist for the checks
     check_round_alignment(cfg)

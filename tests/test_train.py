@@ -118,6 +118,7 @@ def test_short_default_run_learns_logs_checkpoints_and_resumes(toy_cache, run_tr
     assert versions.value.tolist() == [0.0, 0.0, 1.0, 1.0]
     # Lightning's lines print once (its own console handler and Hydra's root handler both printed them)
     assert (result.stdout + result.stderr).count("`Trainer.fit` stopped") == 1
+    _check_progress_lines(result.stdout, run.dir, "the run's first round", [(2, 4, 1), (4, 4, 2)])
     _check_the_model_carries_its_environment(run.dir, toy_cache, tmp_path)
     # a checkpoint was written, and resuming from it continues the step count
     last = run.dir / "checkpoints" / "last.ckpt"
@@ -131,7 +132,25 @@ def test_short_default_run_learns_logs_checkpoints_and_resumes(toy_cache, run_tr
     assert resumed["global_step"] == 6
     versions = load_scalars(run.dir).query("tag == 'train/policy_version'").sort_values("step")
     assert versions.value.tolist()[-2:] == [2.0, 2.0]
+    _check_progress_lines(result.stdout, run.dir, "the resumed run's first round", [(6, 6, 3)])
     _check_resume_is_safe(run.dir, outputs, resume, toy_cache)
+
+
+def _check_progress_lines(stdout: str, run_dir: Path, first: str, rounds: list[tuple[int, int, int]]) -> None:
+    """Issue 72 (6): stdout is a pipe here, as under nohup, `| tee` or SLURM: the engine start, the first round's start
+    and one line per round (step, round, sampled reward, keep rate, s/round, time left) reach it, and the run's
+    train.log (docs/training.md#progress-in-a-log)."""
+    log = (run_dir / "train.log").read_text()
+    for text in (stdout, log):
+        assert re.search(r"\[dspo\.progress\.engine\]\[INFO\] - engine start \(\w+\): done in ", text)
+        assert f"{first} started (its line follows when it ends)" in text
+        for step, max_steps, round_number in rounds:
+            line = (
+                rf"\[dspo\.progress\.train\]\[INFO\] - step {step}/{max_steps} \(round {round_number}\) · "
+                rf"sampled reward \d\.\d{{3}} · keep \d\.\d\d · \d+\.\d s/round \(this one \d+\.\d s\) · "
+                r"([\w. ]+ left|done)\n"
+            )
+            assert re.search(line, text), f"no line for step {step}: {text[-3000:]}"
 
 
 def _check_the_model_carries_its_environment(run_dir: Path, cache: Path, tmp_path: Path) -> None:

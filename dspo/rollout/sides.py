@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dspo.process.progress_log import phase, progress_logger
 from dspo.rollout.engine_process import EngineProcess
 from dspo.rollout.link import TrainerLink, on_every_rank
 from dspo.rollout.placement import colocated_device, engine_devices_for, share_the_cpu
@@ -31,6 +32,13 @@ from dspo.rollout.transfer import check_transfer
 from dspo.types import RolloutGroup
 
 log = logging.getLogger(__name__)
+progress = progress_logger("engine")
+
+
+def engine_name(constructor: Any) -> str:
+    """`VLLMEngine` for the partial constructor of conf/rollout/vllm.yaml (a progress line's name for the engine)."""
+    target = getattr(constructor, "func", constructor)
+    return getattr(target, "__name__", type(target).__name__)
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,8 @@ class InProcessSide:
     def build(cls, spec: WorkerSpec, tokenizer: Any) -> InProcessSide:
         from dspo.agent import build_agent
 
-        engine = spec.engine(model_path=spec.model.path)
+        with phase(f"engine start ({engine_name(spec.engine)})", progress):  # vLLM: tens of seconds on a CPU
+            engine = spec.engine(model_path=spec.model.path)
         agent = build_agent(spec.agent, engine=engine, tokenizer=tokenizer, env=spec.env)
         return cls(engine, agent, RoundSampler(agent, spec.algorithm, spec.rank, spec.world_size))
 
@@ -175,7 +184,8 @@ class EngineProcessSide:
             self.worker = EngineProcess(self._spec(link))
             # evaluation only: no rounds to produce
             fitting_sampler = sampler if link.fitting() else None
-            self.worker.start(fitting_sampler, position.keep_rate, position.completed, weights)
+            with phase(f"engine process start ({engine_name(self.spec.engine)})", progress):
+                self.worker.start(fitting_sampler, position.keep_rate, position.completed, weights)
         self.worker.push_weights(weights, position.completed, version, link.progress())
         return version
 

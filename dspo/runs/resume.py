@@ -6,7 +6,7 @@ quietly before (issue 32), and what happens now:
 
 - several runs share a `run_name` (the docs' examples all kept `dspo_seed0`) with different settings: resuming "the
   newest" could pick another experiment. Refused, naming the runs and how their settings differ, unless they differ
-  only in keys that do not change what is trained (`RESUME_FREE_KEYS`).
+  only in keys that do not change what is trained (`RESUME_FREE_KEYS`, `RESUME_FREE_SECTIONS`).
 - `trainer.max_steps` at or below the checkpoint's step: nothing would be trained, the test rerun and `metrics.yaml`
   rewritten. Refused before anything is written, except for a run that trained all `trainer.max_steps` and then
   stopped before it finished (preempted in its last round, killed during its test pass: its `status.json` is not
@@ -36,6 +36,8 @@ log = logging.getLogger("dspo.train")
 
 # Keys that only say how far or what else this command runs, not what is trained.
 RESUME_FREE_KEYS = ("trainer.max_steps", "ckpt_path", "allow_foreign_checkpoint", "run_test", "output_dir")
+# whole sections that only report progress: a run started before one existed resumes without a warning about it
+RESUME_FREE_SECTIONS = ("callbacks.round_lines.",)
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:
@@ -51,7 +53,11 @@ def flat_config(cfg: Any) -> dict[str, Any]:
             flat[prefix] = node
 
     walk(container, "")
-    return {k: v for k, v in flat.items() if not k.startswith("hydra") and k not in RESUME_FREE_KEYS}
+    return {
+        k: v
+        for k, v in flat.items()
+        if not k.startswith(("hydra", *RESUME_FREE_SECTIONS)) and k not in RESUME_FREE_KEYS
+    }
 
 
 def config_differences(a: Any, b: Any) -> list[str]:

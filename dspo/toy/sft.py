@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 
+from dspo.process.progress_log import Every, duration, progress_logger, time_left
 from dspo.toy.drills import Example
 from dspo.types import Trajectory
+
+PROGRESS_EVERY_S = 30.0  # a progress line this often during the SFT (train.log; the console when redirected)
+progress = progress_logger("warmstart")
 
 
 class SFTSettings(Protocol):
@@ -79,6 +84,17 @@ def sft_loss(
     return (nll * weights).sum() / weights.sum().clamp(min=1.0)
 
 
+def sft_line(done: int, total: int, losses: list[float], elapsed: float) -> str:
+    """`warm start (SFT): step 400/2800 (14 %), loss 1.234, 1m 30s so far, about 9m 00s left` (the loss: the mean of
+    the last 20 steps; the time left: at the mean speed so far)."""
+    recent = losses[-20:]
+    loss = f", loss {sum(recent) / len(recent):.3f}" if recent else ""
+    left = time_left(elapsed, done, total)
+    tail = f", about {duration(left)} left" if left is not None else ""
+    share = 100 * done // max(total, 1)
+    return f"warm start (SFT): step {done}/{total} ({share} %){loss}, {duration(elapsed)} so far{tail}"
+
+
 def train_sft(
     model: torch.nn.Module, stages: list[tuple[list[Example], int, int]], pad_id: int, config: SFTSettings
 ) -> list[float]:
@@ -97,7 +113,10 @@ def train_sft(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     model.train()
     losses: list[float] = []
-    bar = tqdm(total=total, desc="warm start (SFT)", dynamic_ncols=True, mininterval=2.0)
+    # tqdm's bar on a terminal only (disable=None): written to a file it is a carriage-return run per update; a
+    # progress line every PROGRESS_EVERY_S says the same there, and in train.log (dspo.process.progress_log)
+    bar = tqdm(total=total, desc="warm start (SFT)", dynamic_ncols=True, mininterval=2.0, disable=None)
+    every, started = Every(PROGRESS_EVERY_S), time.monotonic()
     for examples, steps, batch_size in stages:
         queue: list[list[int]] = []
         for _ in range(steps):
@@ -112,6 +131,8 @@ def train_sft(
             losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            if every.due():
+                progress.info(sft_line(len(losses), total, losses, time.monotonic() - started))
     bar.close()
     model.eval()
     return losses

@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -43,8 +44,10 @@ from dspo.cachedir import build_lock, staged_folder
 from dspo.data.qa import load_qa
 from dspo.engines import HFEngine
 from dspo.env.prompting import QWEN_INSTRUCTION, SEARCH_TOOL_SCHEMA
+from dspo.process.progress_log import duration, phase, progress_logger
 from dspo.search.bm25 import BM25Index
 from dspo.search.corpus import load_corpus
+from dspo.toy.cache_changes import read_manifest, rebuild_notice
 from dspo.toy.deep import DEEP_HOPS
 from dspo.toy.demos import IMPERFECT_KINDS, check_imperfect_kinds, make_script
 from dspo.toy.drills import recall_examples
@@ -69,6 +72,7 @@ from dspo.types import QAItem, Trajectory
 MANIFEST = "warmstart_manifest.json"
 TOKENIZER_MANIFEST = "dspo_tokenizer.json"
 log = logging.getLogger(__name__)
+progress = progress_logger("warmstart")
 
 
 @dataclass
@@ -270,12 +274,24 @@ def warm_start(
             return str(out)
         if adopt_shipped(shipped, out, MANIFEST, lambda recorded: recorded.get("key") == key):
             return str(out)
+        _announce_rebuild(out, key, config, shipped)
         # trained in a sibling folder and swapped in whole, manifest included: an interrupted run never looks
         # finished, and a process loading the old model never finds the folder missing or half written
-        with staged_folder(out) as staging:
+        with staged_folder(out) as staging, phase("warm start rebuild", progress):
             _train_warm_start(staging, world, tokenizer_dir, config, key)
         log.info("warm start: trained %s", out)
     return str(out)
+
+
+def _announce_rebuild(out: Path, key: dict, config: WarmStartConfig, shipped: str | None) -> None:
+    """The line before a rebuild: which config keys made it (against the nearest recorded build: the one cached at
+    `out`, or the shipped one) and how long it should take (`dspo.toy.cache_changes`)."""
+    candidates = {  # the shipped one first: named when both are as near (the cache adopted it)
+        f"the shipped warm start ({shipped})": read_manifest(shipped, MANIFEST),
+        f"the cached build ({out})": read_manifest(out, MANIFEST),
+    }
+    notice, _ = rebuild_notice(key, asdict(config), candidates, _LATER_FIELDS)
+    log.info("warm start: building %s by SFT, %s", out, notice)
 
 
 def _warm_start_is_built(out: Path, key: dict) -> bool:
@@ -348,6 +364,7 @@ def _train_warm_start(
             seed = config.seed + _PROPOSER_SEED + 1 + copy
             demos += render_proposer_demonstrations(renamed, meta, tokenizer, renamed_index, seed, config.agent)
     rendered = time.perf_counter()
+    progress.info("warm start: rendered %d demonstrations in %s", len(demos), duration(rendered - start))
     name_ids = set(tokenizer.convert_tokens_to_ids(words))
     stages = [
         (recall_examples(tokenizer, pieces, 8192, config.seed + k, names), steps, config.recall_batch_size)
@@ -372,6 +389,7 @@ def _train_warm_start(
         "train_seconds": time.perf_counter() - rendered,
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # the timings'
     }
     (staging / MANIFEST).write_text(json.dumps({"key": key, "config": asdict(config), "stats": stats}, indent=2))
 
