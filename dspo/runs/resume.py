@@ -36,8 +36,9 @@ log = logging.getLogger("dspo.train")
 
 # Keys that only say how far or what else this command runs, not what is trained.
 RESUME_FREE_KEYS = ("trainer.max_steps", "ckpt_path", "allow_foreign_checkpoint", "run_test", "output_dir")
-# whole sections that only report progress: a run started before one existed resumes without a warning about it
-RESUME_FREE_SECTIONS = ("callbacks.round_lines.",)
+# whole sections that only report progress or check before a start (the memory plan): a run started before one
+# existed resumes without a warning about it
+RESUME_FREE_SECTIONS = ("callbacks.round_lines.", "plan.")
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:
