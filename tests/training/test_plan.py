@@ -268,3 +268,12 @@ def test_sharding_lora_and_checkpointing_never_cost_memory_where_they_save_it(ca
         assert on.phase_bytes("update") <= plan.phase_bytes("update")
     assert all(t.bytes >= 0 for t in plan.terms)
     assert plan.fits == (plan.margin >= 0)  # no engine here: fitting is the margin
+
+
+def test_the_planners_answerer_engine_and_a_cpu_plan_of_the_toy_default():
+    cfg = compose_config("train", ["env=planner", "model.path=data/toy_warmstart/model"])
+    plan = plan_of(cfg)
+    names = [e.name for e in plan.settings.engines]
+    assert names == ["policy engine (vLLM)", "answerer engine (HF)"]
+    assert plan.settings.device == "CPU: host memory" and plan.fits
+    assert terms(plan)["answerer engine (HF): weights"] == model_shape("data/toy_warmstart/model").parameters * 4
