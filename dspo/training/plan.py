@@ -104,6 +104,7 @@ PHASES = ("generation", "update", "weight push")
 
 @dataclass
 class MemoryPlan:
+    shape: ModelShape  # the policy's
     settings: PlanSettings
     terms: list[Term] = field(default_factory=list)
     kv_tokens: dict[str, int] = field(default_factory=dict)  # engine name -> tokens its KV cache holds
@@ -154,7 +155,7 @@ ALL, UPDATE, PUSH = frozenset(PHASES), frozenset({"update"}), frozenset({"weight
 
 def memory_plan(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
     """Per-device bytes of each term, and which phases hold it (docs/memory.md#the-memory-plan-dspo-plan)."""
-    plan = MemoryPlan(s)
+    plan = MemoryPlan(shape, s)
     plan.terms += _state_terms(shape, s)
     plan.terms += _update_terms(shape, s)
     plan.terms += _push_terms(shape, s)

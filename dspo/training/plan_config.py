@@ -165,8 +165,8 @@ def data_parallel(cfg: DictConfig, on_gpu: bool) -> tuple[int, bool, bool]:
 
 def compute_bytes(cfg: DictConfig, on_gpu: bool, master: int) -> int:
     precision = str(setting(cfg, "trainer.precision", "") or ("bf16-mixed" if on_gpu else "32-true"))
-    if not on_gpu and str(setting(cfg, "trainer.accelerator", "cpu")) == "cpu" and setting(cfg, "plan.gpu") is not None:
-        precision = "bf16-mixed"  # a GPU named for a CPU config: planned as trainer=gpu would run it
+    if on_gpu and str(setting(cfg, "trainer.accelerator", "cpu")) == "cpu":
+        precision = "bf16-mixed"  # plan.gpu named for a CPU config: planned as trainer=gpu would run it
     return 2 if precision.startswith(HALF_PRECISIONS) else master
 
 

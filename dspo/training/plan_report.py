@@ -164,9 +164,7 @@ def report(cfg: DictConfig, plan: MemoryPlan | None = None) -> str:
 
 
 def plan_model_line(plan: MemoryPlan, cfg: DictConfig) -> str:
-    from dspo.training.plan_config import policy_shape
-
-    shape = policy_shape(cfg)
+    shape = plan.shape
     lora = (
         f", LoRA r={setting(cfg, 'model.lora.r')}: {shape.lora_parameters / 1e6:.1f} M trained"
         if plan.settings.lora

@@ -277,3 +277,9 @@ def test_the_planners_answerer_engine_and_a_cpu_plan_of_the_toy_default():
     assert names == ["policy engine (vLLM)", "answerer engine (HF)"]
     assert plan.settings.device == "CPU: host memory" and plan.fits
     assert terms(plan)["answerer engine (HF): weights"] == model_shape("data/toy_warmstart/model").parameters * 4
+
+
+def test_a_gpu_named_for_a_cpu_config_is_planned_as_trainer_gpu_would_run_it():
+    cfg = compose_config("train", ["model.path=data/toy_warmstart/model", "plan.gpu=24GB"])
+    settings = plan_of(cfg).settings
+    assert settings.on_gpu and settings.compute_bytes == 2 and settings.master_bytes == 4
