@@ -27,9 +27,9 @@ class EnvironmentSpec:
 
     def build(self) -> Any:
         """The environment (Hydra instantiates the config: tools, reward, retriever)."""
-        import hydra
+        from dspo.env.build import build_environment
 
-        return hydra.utils.instantiate(self.config)
+        return build_environment(self.config)
 
     @property
     def credit(self) -> str:

@@ -331,8 +331,8 @@ def log_tensorboard(log_dir: Path, table: dict[str, dict[str, float]], step: int
 def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
     """Evaluate and write the result files into `output_dir`; returns results.json's content. `overrides` are the
     command line's (they win over the settings a trained model records)."""
-    from hydra.utils import instantiate
 
+    from dspo.env.build import build_environment
     from dspo.runs.record import index_mismatch
     from dspo.runs.trust import import_modules
 
@@ -344,7 +344,7 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
     check_settings(cfg)
     sets = load_eval_sets(cfg.data, cfg.eval.get("limit"))
     log.info("benchmarks: %s", {name: len(items) for name, items in sets.items()})
-    env = instantiate(cfg.env)  # tools (the search tool's retriever) + reward, before the model loads
+    env = build_environment(cfg.env)  # tools (the search tool's retriever) + reward, before the model loads
     mismatch = index_mismatch(found[0], getattr(env.tools.get("search"), "retriever", None))
     if mismatch:
         log.warning(mismatch)

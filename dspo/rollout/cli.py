@@ -14,6 +14,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from dspo.env.build import build_environment
 from dspo.process.runtime import run_command
 from dspo.types import DEFAULT_ROLE, RolloutGroup
 
@@ -109,7 +110,7 @@ def run_rollout(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) ->
     items = load_qa(str(data_path), benchmark=cfg.data.benchmark, limit=cfg.n)
     tokenizer_path = cfg.model.tokenizer or model_path
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-    env = instantiate(cfg.env)  # tools + reward (conf/env/), before the engine starts
+    env = build_environment(cfg.env)  # tools + reward (conf/env/), before the engine starts
     agent = instantiate(cfg.rollout.agent)
     check_agent_settings(agent)  # before the engine starts
     engine = instantiate(cfg.rollout.engine)(model_path=str(model_path))

@@ -120,10 +120,11 @@ def measure(model_dir: str, world, overrides: list[str], questions: int = 200, g
     from hydra.utils import instantiate
 
     from dspo.agent import build_agent
+    from dspo.env.build import build_environment
     from dspo.toy.tokenizer import load_tokenizer
 
     cfg = compose_train([f"paths.toy_root={Path(world.root).parent}", *overrides])
-    env = instantiate(cfg.env)  # the run's environment over this world (its retriever group's index)
+    env = build_environment(cfg.env)  # the run's environment over this world (its retriever group's index)
     engine = instantiate(cfg.rollout.engine)(model_path=model_dir)
     agent = build_agent(instantiate(cfg.rollout.agent), engine=engine, tokenizer=load_tokenizer(model_dir), env=env)
     if "toy_3hop" in cfg.data.val_files:
