@@ -102,7 +102,7 @@ def test_the_base_rewards_answer_components_step_rewards_and_attributes_carry_th
         ({"subem": True}, "total", None, "a weight must be a number"),
         ({"subem": 1.0}, "f1", None, r"outcome='f1': choose `total` or one of"),
         ({"subem": 1.0}, "total", 0, "length_cap=0"),
-        ({"judge": 1.0}, "total", None, r"env.reward.judge, which this run does not select.*env/reward=\[judge,rubric\]"),
+        ({"judge": 1.0}, "total", None, r"env.reward.judge, which this run does not select.*\[judge,rubric\]"),
     ],
 )
 def test_refusals_name_the_key(criteria, outcome, length_cap, message):
