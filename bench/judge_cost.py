@@ -9,8 +9,11 @@ training questions through the default environment (search over the world's BM25
 `--questions` questions x G=`--group-size`; the questions come from a pool of `--pool` so that later rounds revisit
 earlier rounds' questions, as a second epoch does. Each round's episodes are then scored by `JudgedReward` around
 subEM (dedupe in the batch + the LRU across rounds), and the same answers judged again one call per answered episode
-(no dedupe, no cache) by the same client: calls and seconds of both, per round. The judge sees only (question, gold
-answers, answer), so judging after the rollout costs what judging inside it would. JSON: outputs/bench/judge_cost.json
+(no dedupe, no cache) by the same client: calls and seconds of both, per round, each the median of
+`--repeats` timings (the machine is shared). A server judge should run without its prefix cache (vLLM:
+`--no-enable-prefix-caching`),
+or the second pass finds the first one's prompts cached. The judge sees only (question, gold answers, answer), so
+judging after the rollout costs what judging inside it would. JSON: outputs/bench/judge_cost.json
 (or `--out`; `--update-shipped`: bench/results/judge_cost.json).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -51,30 +55,39 @@ def judge_reward(args: argparse.Namespace, model_dir: str):
     return JudgedReward(SubEMReward(), model_path=str(Path(args.judge_model or model_dir)))
 
 
-def one_round(reward, groups) -> dict:
-    """Judge one round's episodes with dedupe + cache (the reward), then one call per answered episode."""
+def one_round(reward, groups, repeats: int) -> dict:
+    """Judge one round's episodes with dedupe + cache (the reward, its cache as it was before the round at each
+    repeat), then one call per answered episode; the median seconds of `repeats` each (the machine is shared)."""
     from dspo.env.rewards import EpisodeRecord
 
     records = [EpisodeRecord(g.item, [], t.answer) for g in groups for t in g.trajectories]
-    before = (reward.totals.calls, reward.totals.cached, reward.totals.deduped)
-    tic = time.perf_counter()
-    results = reward.score(records)
-    seconds = time.perf_counter() - tic
+    kept, seconds = reward.cache._items.copy(), []
+    for _ in range(repeats):
+        reward.cache._items = kept.copy()
+        tic = time.perf_counter()
+        results = reward.score(records)
+        seconds.append(time.perf_counter() - tic)
     triples = [t for t in (reward._triple(e, r) for e, r in zip(records, results)) if t is not None]
-    tic = time.perf_counter()
-    replies = reward.client.judge([reward.prompt.render(t) for t in triples])
-    plain_seconds = time.perf_counter() - tic
+    plain = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        replies = reward.client.judge([reward.prompt.render(t) for t in triples])
+        plain.append(time.perf_counter() - tic)
     agrees = [r.components["judge_agrees"] for r in results if "judge_agrees" in r.components]
+
+    def count(name: str) -> int:
+        return int(sum(r.components[name] for r in results))
+
     return {
         "episodes": len(records),
         "answered": len(triples),
-        "calls": reward.totals.calls - before[0],
-        "cache_hits": reward.totals.cached - before[1],
-        "deduped": reward.totals.deduped - before[2],
-        "judge_s": seconds,
+        "calls": count("judge_calls"),
+        "cache_hits": count("judge_cached"),
+        "deduped": count("judge_deduped"),
+        "judge_s": statistics.median(seconds),
         "plain_calls": len(replies),
-        "plain_s": plain_seconds,
-        "errors": sum(r.components["judge_error"] for r in results),
+        "plain_s": statistics.median(plain),
+        "errors": count("judge_error"),
         "judge_mean": sum(r.outcome for r in results) / len(results),
         "subem_mean": sum(r.components["subem"] for r in results) / len(results),
         "agreement": sum(agrees) / len(agrees) if agrees else None,
@@ -92,10 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served-model", default=None, help="with --server: the served model's name")
     parser.add_argument("--constrain", action="store_true", help="with --server: vLLM samples only the choice words")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="timings per round (the median is kept)")
     add_output_arguments(parser, "judge_cost.json")
     args = parser.parse_args(argv)
-    if min(args.rounds, args.questions, args.group_size, args.pool) < 1:
-        parser.error("--rounds, --questions, --group-size and --pool must be >= 1")
+    if min(args.rounds, args.questions, args.group_size, args.pool, args.repeats) < 1:
+        parser.error("--rounds, --questions, --group-size, --pool and --repeats must be >= 1")
     args.out = output_path(parser, args, "judge_cost.json")
     return args
 
@@ -117,7 +131,7 @@ def main() -> None:
         start = index * args.questions % len(items)
         batch = (items * 2)[start : start + args.questions]
         groups = agent.rollout(batch, group_size=args.group_size, policy_version=0, seed=index).groups
-        rounds.append(one_round(reward, groups))
+        rounds.append(one_round(reward, groups, args.repeats))
         print(f"[round {index}] " + json.dumps({k: round(v, 4) if v else v for k, v in rounds[-1].items()}), flush=True)
     totals = {key: sum(r[key] for r in rounds) for key in ("episodes", "answered", "calls", "judge_s", "plain_s")}
     agreements = [r["agreement"] for r in rounds if r["agreement"] is not None]
