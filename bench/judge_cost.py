@@ -9,12 +9,11 @@ training questions through the default environment (search over the world's BM25
 `--questions` questions x G=`--group-size`; the questions come from a pool of `--pool` so that later rounds revisit
 earlier rounds' questions, as a second epoch does. Each round's episodes are then scored by `JudgedReward` around
 subEM (dedupe in the batch + the LRU across rounds), and the same answers judged again one call per answered episode
-(no dedupe, no cache) by the same client: calls and seconds of both, per round, each the median of
-`--repeats` timings (the machine is shared). A server judge should run without its prefix cache (vLLM:
-`--no-enable-prefix-caching`),
-or the second pass finds the first one's prompts cached. The judge sees only (question, gold answers, answer), so
-judging after the rollout costs what judging inside it would. JSON: outputs/bench/judge_cost.json
-(or `--out`; `--update-shipped`: bench/results/judge_cost.json).
+(no dedupe, no cache) by the same client: calls and seconds of both, per round, each the median of `--repeats`
+timings (the machine is shared). A server judge should run without its prefix cache (vLLM's
+`--no-enable-prefix-caching`), or the second pass finds the first one's prompts cached. The judge sees only
+(question, gold answers, answer), so judging after the rollout costs what judging inside it would. JSON:
+outputs/bench/judge_cost.json (or `--out`; `--update-shipped`: bench/results/judge_cost.json).
 """
 
 from __future__ import annotations
