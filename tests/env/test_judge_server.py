@@ -45,7 +45,8 @@ def server(tmp_path_factory):
         "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_DIST_IDENT", None)
+    for name in ("VLLM_DIST_IDENT", "VLLM_ENABLE_V1_MULTIPROCESSING"):  # set by in-process engines of other tests
+        env.pop(name, None)
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1"
