@@ -231,8 +231,8 @@ def micro_batch(cfg: DictConfig, sequence: int) -> tuple[int, int]:
 
 
 def engines(cfg: DictConfig, policy: ModelShape, on_gpu: bool) -> list[EngineSettings]:
-    """The engines whose memory lands on the planned device: the policy's (unless k >= 1 gives it GPUs of its own)
-    and env=planner's answerer."""
+    """The engines whose memory lands on the planned device: the policy's (unless k >= 1 gives it GPUs of its own),
+    env=planner's answerer and env/reward=judge's local judge."""
     out = []
     engine = setting(cfg, "rollout.engine")
     own_devices = (
@@ -245,7 +245,30 @@ def engines(cfg: DictConfig, policy: ModelShape, on_gpu: bool) -> list[EngineSet
         remote = bool(setting(cfg, "model.trust_remote_code", False))
         shape = model_shape(str(answerer.model_path), None, (), remote)
         out.append(_engine("answerer engine", answerer.engine, shape, on_gpu, cfg))
+    out.append(_local_judge(cfg, on_gpu))
     return [e for e in out if e is not None]
+
+
+JUDGE_PROMPT_TOKENS = 1024  # the judge reads the question, the golds and an answer cut at max_answer_chars (500)
+
+
+def _local_judge(cfg: DictConfig, on_gpu: bool) -> EngineSettings | None:
+    """env/reward=judge's local model (no base_url): a frozen model on `device` that scores `batch_size` sequences
+    of a prompt and one verdict word per forward pass (dspo.env.judge)."""
+    judge = setting(cfg, "env.reward.judge")
+    if judge is None or setting(judge, "base_url") or not setting(judge, "model_path"):
+        return None  # none, or a server's: its memory is the server's
+    if str(setting(judge, "device", "cpu")).startswith("cuda") != on_gpu:
+        return None
+    remote = bool(setting(cfg, "model.trust_remote_code", False))
+    return EngineSettings(
+        name="judge (HF, local)",
+        kind="hf",
+        shape=model_shape(str(judge.model_path), None, (), remote),
+        dtype_bytes=DTYPE_BYTES[str(setting(judge, "dtype", "float32"))],
+        max_model_len=JUDGE_PROMPT_TOKENS,
+        batch_sequences=int(setting(judge, "batch_size", 32)),
+    )
 
 
 def _engine(name: str, engine: DictConfig, shape: ModelShape, on_gpu: bool, cfg: DictConfig) -> EngineSettings | None:

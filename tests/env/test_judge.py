@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -315,24 +316,26 @@ def test_the_local_judge_picks_the_likeliest_choice_word_batched_or_not(warm_sta
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("Who founded Kozand? ", "yes or no")]
     words = [tokenizer.encode(word, add_special_tokens=False) for word in ("yes", "no", "Bob Lin")]
     batched = choice_logprobs(model, prompts, words, tokenizer.pad_token_id, batch_size=16)
-    for p, prompt in enumerate(prompts):  # one sequence at a time, no padding: the same log-probabilities
-        alone = choice_logprobs(model, [prompt], words, tokenizer.pad_token_id, batch_size=1)[0]
-        assert (batched[p] - alone).abs().max() < 1e-4
+    for p, prompt in enumerate(prompts):  # each prompt + word alone, unpadded, every position's logits: the same
+        for w, word in enumerate(words):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + word])).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            reference = sum(logp[len(prompt) - 1 + j, token] for j, token in enumerate(word))
+            assert abs(batched[p, w].item() - float(reference)) < 1e-4, (p, w)
 
 
 # ------------------------------------------------------------------------------------------ the config node
 def test_the_config_node_wraps_any_envs_reward(monkeypatch):
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-    from omegaconf import open_dict
+
+    from dspo.env.build import build_environment
 
     monkeypatch.setenv("DSPO_DATA", str(REPO / "data"))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         for env, base in (("search", "subem"), ("planner", "answerer_subem")):
-            cfg = compose(config_name="train", overrides=[f"env={env}", "+env/reward=judge"])
-            with open_dict(cfg):
-                node = cfg.env.reward.pop("judge")  # what the env builder does (dspo/env/build.py)
-            reward = instantiate(node)(base=instantiate(cfg.env.reward))
+            cfg = compose(config_name="train", overrides=[f"env={env}", "env/reward=judge"])
+            reward = build_environment(cfg.env, tools={}).reward  # the tools are not what this test builds
             assert isinstance(reward, JudgedReward) and reward.base.name == base
             assert isinstance(reward.client, LocalJudge) and os.path.samefile(reward.client.name, WARM_START)
             assert reward.parser.choices == ["yes", "no"] and reward.max_error_share == 0.05
