@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 from dspo.eval.pinned import collect, config_sections, model_identity
-from dspo.eval.pipeline import AVERAGE, JUDGE_KEYS, macro_average, markdown_table, predict, score, write_results
+from dspo.eval.pipeline import (
+    AVERAGE,
+    log_tensorboard,
+    macro_average,
+    markdown_table,
+    predict,
+    score,
+    write_results,
+)
 from dspo.process.runtime import run_command
 from dspo.types import QAItem
 
@@ -316,20 +324,6 @@ def resolve_model(cfg: Any, workdir: Path) -> tuple[str, int]:
         return export_checkpoint(str(cfg.ckpt_path), export_dir, model_path, bool(cfg.get("allow_foreign_checkpoint")))
     check_model_source(cfg)
     return str(Path(model_path).expanduser()), 0
-
-
-def log_tensorboard(log_dir: Path, table: dict[str, dict[str, float]], step: int, stage: str = "test") -> None:
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(log_dir))
-    try:
-        for name, row in table.items():
-            for key in ("subem", "em", "f1", "mean_tool_calls", "mean_turns", *JUDGE_KEYS):
-                if row.get(key) is not None:  # the judge's, when it judged (and some verdict did not fail)
-                    writer.add_scalar(f"{stage}/{name}/{key}", row[key], step)
-        writer.add_text(f"{stage}/results", markdown_table(table), step)
-    finally:
-        writer.close()
 
 
 def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, float]]:

@@ -262,3 +262,18 @@ def read_predictions(path: str | Path) -> list[Prediction]:
     """Predictions back from a predictions.jsonl written by `write_results`."""
     with Path(path).open(encoding="utf-8") as handle:
         return [Prediction(**json.loads(line)) for line in handle if line.strip()]
+
+
+def log_tensorboard(log_dir: Path, table: dict[str, dict[str, float]], step: int, stage: str = "test") -> None:
+    """`<stage>/<benchmark>/<score>` scalars (the judge's when it judged) and the table as text."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(log_dir))
+    try:
+        for name, row in table.items():
+            for key in ("subem", "em", "f1", "mean_tool_calls", "mean_turns", *JUDGE_KEYS):
+                if row.get(key) is not None:  # the judge's, when it judged (and some verdict did not fail)
+                    writer.add_scalar(f"{stage}/{name}/{key}", row[key], step)
+        writer.add_text(f"{stage}/results", markdown_table(table), step)
+    finally:
+        writer.close()

@@ -211,3 +211,20 @@ def test_reports_without_a_judge_keep_their_form(tmp_path: Path) -> None:
     assert pinned is None and list(rows) == ["nq", "hotpotqa", AVERAGE]
     with pytest.raises(ValueError, match="collides with results.json's pinned settings"):
         write_results(tmp_path, {"pinned": {}}, [])
+
+
+def test_the_judge_scores_reach_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dspo.eval.pipeline import log_tensorboard
+
+    row = {"subem": 0.5, "em": 0.5, "f1": 0.5, "n": 2, "mean_tool_calls": 1.0, "mean_turns": 2.0}
+    table = {"nq": {**row, "judge": 0.75, "judge_agreement": 0.5, "judge_errors": 1}, "hotpotqa": dict(row)}
+    table["hotpotqa"].update(judge=None, judge_agreement=None, judge_errors=2)  # every verdict failed
+    log_tensorboard(tmp_path, table, step=3)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"test/nq/judge", "test/nq/judge_agreement", "test/nq/judge_errors", "test/hotpotqa/judge_errors"} <= tags
+    assert "test/hotpotqa/judge" not in tags and "test/nq/subem" in tags
+    assert [(e.step, e.value) for e in events.Scalars("test/nq/judge")] == [(3, 0.75)]
