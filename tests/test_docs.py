@@ -171,6 +171,8 @@ def commands_in(span: Span) -> list[Command]:
         return []
     modules, found = script_modules(), []
     for index, word in enumerate(words):
+        if word in CONFIGS and "--compare" in words[index + 1 :]:  # dspo-eval --compare A B: report files, no Hydra
+            continue
         if word in CONFIGS:
             found.append(command_from(span, CONFIGS[word], words[index + 1 :]))
         elif word == "-m" and index + 1 < len(words) and words[index + 1] in modules:

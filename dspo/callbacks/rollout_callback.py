@@ -68,6 +68,21 @@ def trainer_link(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainerL
     )
 
 
+def log_judge_scores(trainer: pl.Trainer, results: dict[str, dict[str, Any]]) -> None:
+    """`test/<benchmark>/judge`, `.../judge_agreement`, `.../judge_errors` of a judged run (`env/reward=judge`), to the
+    run's loggers: the module's metrics hold subEM / EM / F1, the judge's verdicts reach only the predictions."""
+    from dspo.eval.pipeline import JUDGE_KEYS
+
+    scalars = {
+        f"test/{name}/{key}": float(row[key])
+        for name, row in results.items()
+        for key in JUDGE_KEYS
+        if row.get(key) is not None
+    }
+    for logger in trainer.loggers if scalars else ():
+        logger.log_metrics(scalars, step=trainer.global_step)
+
+
 class RolloutCallback(pl.Callback):
     """Args: the fields of `dspo.rollout.settings.RolloutSettings` (the config keys of `callbacks.rollout`, which
     Hydra passes as keywords; positionally in their order), checked into one record, `settings`, when the run is
@@ -204,12 +219,31 @@ class RolloutCallback(pl.Callback):
         self._predictions.extend(batch.predictions)  # validation predictions only feed the metrics
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """results.json, results.md and predictions.jsonl in `<run dir>/test`, as `dspo-eval` writes them."""
+        """results.json (with `pinned`, as `dspo-eval` pins its own), results.md and predictions.jsonl in
+        `<run dir>/test`, as `dspo-eval` writes them; a judged run's judge scores also go to the loggers."""
         from dspo.eval.pipeline import score, write_results
 
         predictions, self._predictions = self._predictions, []
         if predictions and trainer.is_global_zero:
-            write_results(Path(trainer.default_root_dir) / "test", score(predictions), predictions)
+            results = score(predictions)
+            pinned = self.pinned(pl_module, predictions)
+            write_results(Path(trainer.default_root_dir) / "test", results, predictions, pinned)
+            log_judge_scores(trainer, results)
+
+    def pinned(self, pl_module: pl.LightningModule | None, predictions: list) -> dict[str, Any]:
+        """What decides the test scores (`dspo.eval.pinned`): the run record's settings and the exported model folder
+        (the one `dspo-eval model.path=RUN/model` loads, so both pin the same model), else the policy in memory."""
+        from dspo.eval.pinned import chat_template_digest, collect, model_identity, tensors_digest
+
+        record = getattr(pl_module, "run_record", None) or {}
+        if self.exported_to and (Path(self.exported_to) / "config.json").is_file():
+            model, chat_template = model_identity(self.exported_to)
+        else:  # tested without training: nothing exported
+            policy = getattr(pl_module, "policy", None)
+            model = {**tensors_digest(policy.state_dict().items()), "source": "policy in memory"} if policy else {}
+            chat_template = chat_template_digest(self.producer.tokenizer)
+        reward = getattr(self.settings.env, "reward", None)  # the built environment's (max_staleness 0)
+        return collect(record.get("config") or {}, predictions, model, chat_template, reward)
 
     # ------------------------------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

@@ -4,7 +4,9 @@
     dspo-eval ckpt_path=RUN/checkpoints/last.ckpt retriever.index=INDEX_DIR
 
 Scoring is `dspo.eval.pipeline` (the code validation during training runs), so the numbers of both agree. Outputs, in
-the Hydra run directory: results.json, results.md, predictions.jsonl, and TensorBoard scalars `test/<benchmark>/*`.
+the Hydra run directory: results.json (with `pinned`: what decides the scores, `dspo.eval.pinned`), results.md,
+predictions.jsonl, and TensorBoard scalars `test/<benchmark>/*`. `dspo-eval --compare A B [--force]` compares two
+reports (`dspo.eval.compare`).
 
 A dspo training checkpoint holds the policy's weights under `policy.` in its `state_dict`; they are written, with
 the architecture and tokenizer files of the model they were trained from (`model.path`, else the checkpoint's
@@ -22,7 +24,16 @@ from typing import Any
 
 import torch
 
-from dspo.eval.pipeline import AVERAGE, macro_average, markdown_table, predict, score, write_results
+from dspo.eval.pinned import collect, config_sections, model_identity
+from dspo.eval.pipeline import (
+    AVERAGE,
+    log_tensorboard,
+    macro_average,
+    markdown_table,
+    predict,
+    score,
+    write_results,
+)
 from dspo.process.runtime import run_command
 from dspo.types import QAItem
 
@@ -315,19 +326,6 @@ def resolve_model(cfg: Any, workdir: Path) -> tuple[str, int]:
     return str(Path(model_path).expanduser()), 0
 
 
-def log_tensorboard(log_dir: Path, table: dict[str, dict[str, float]], step: int, stage: str = "test") -> None:
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(log_dir))
-    try:
-        for name, row in table.items():
-            for key in ("subem", "em", "f1", "mean_tool_calls", "mean_turns"):
-                writer.add_scalar(f"{stage}/{name}/{key}", row[key], step)
-        writer.add_text(f"{stage}/results", markdown_table(table), step)
-    finally:
-        writer.close()
-
-
 def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
     """Evaluate and write the result files into `output_dir`; returns results.json's content. `overrides` are the
     command line's (they win over the settings a trained model records)."""
@@ -350,6 +348,7 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
         log.warning(mismatch)
     with tempfile.TemporaryDirectory(prefix="dspo-eval-") as scratch:
         model_path, step = resolve_model(cfg, Path(scratch))
+        model, chat_template = model_identity(model_path)  # pinned: the weights and template the engine loads
         agent = build_engine_and_agent(cfg.rollout, model_path, env)
         predictions = []
         for name, items in sets.items():
@@ -358,7 +357,8 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
             )
         del agent  # free the engine before the temporary model folder disappears
     results = score(predictions)
-    write_results(out, results, predictions)
+    pinned = collect(config_sections(cfg), predictions, model, chat_template, getattr(env, "reward", None))
+    write_results(out, results, predictions, pinned)
     table = dict(results)
     if len(results) > 1:
         table[AVERAGE] = macro_average(results)
@@ -370,7 +370,14 @@ def run(cfg: Any, output_dir: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 
 def main() -> None:
-    """Hydra entry point `dspo-eval` (config: conf/eval.yaml)."""
+    """Hydra entry point `dspo-eval` (config: conf/eval.yaml); `dspo-eval --compare A B` compares two reports
+    (`dspo.eval.compare`, before Hydra: its arguments are files, not overrides)."""
+    import sys
+
+    if "--compare" in sys.argv[1:]:
+        from dspo.eval.compare import main as compare
+
+        sys.exit(compare(sys.argv[1:]))
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig

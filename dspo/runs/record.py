@@ -86,7 +86,7 @@ def run_record(cfg: DictConfig) -> dict[str, Any]:
             "retriever": _section(cfg, "retriever"),
             # resolved but for its `${retriever...}`, which then follows what the evaluating command adopted or was
             # given (retriever=remote ... reaches the adopted environment's search tool)
-            "env": _env_section(cfg),
+            "env": env_section(cfg),
             "data": _section(cfg, "data"),
             "eval_batch_size": OmegaConf.select(cfg, "callbacks.rollout.eval_batch_size", default=None),
             "algorithm": {
@@ -98,7 +98,7 @@ def run_record(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _env_section(cfg: DictConfig) -> Any:
+def env_section(cfg: DictConfig) -> Any:
     """The `env` node with every value resolved except the interpolations of the retriever (`${retriever}`,
     `${retriever.corpus}`): the run's tool limits (the toy's `toy.topk`, ...) are recorded as they were."""
     node = OmegaConf.select(cfg, "env", default=None)

@@ -255,7 +255,10 @@ def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_pa
     assert calls == [("agent", ["q"], 5, {"policy_version": 7, "progress": False})]
     written = []
     monkeypatch.setattr(pipeline, "score", lambda predictions: {"toy": {"n": len(predictions)}})
-    monkeypatch.setattr(pipeline, "write_results", lambda path, results, preds: written.append((path, results, preds)))
+    monkeypatch.setattr(
+        pipeline, "write_results", lambda path, results, preds, pinned: written.append((path, results, preds, pinned))
+    )
+    monkeypatch.setattr(callback, "pinned", lambda module, preds: {"predictions": len(preds)})
     monkeypatch.setattr(callback, "predict", lambda items: [f"p{item}" for item in items])
     val, test = EvalSlot(["v"]), EvalSlot(["a", "b"])
     callback.on_validation_batch_start(None, None, val, 0)
@@ -266,7 +269,7 @@ def test_predictions_use_the_current_round_and_only_test_ones_are_written(tmp_pa
         callback.on_validation_batch_start(None, None, ["v"], 0)
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), is_global_zero=True)
     callback.on_test_end(trainer, None)
-    assert written == [(tmp_path / "test", {"toy": {"n": 2}}, ["pa", "pb"])]  # test predictions only
+    assert written == [(tmp_path / "test", {"toy": {"n": 2}}, ["pa", "pb"], {"predictions": 2})]  # test ones only
     callback.on_test_end(trainer, None)  # predictions were consumed: nothing more to write
     assert len(written) == 1
 
@@ -387,3 +390,29 @@ def test_the_trainer_link_reads_lightning_where_the_producer_needs_it():
     assert (link.rank, link.world_size, link.local_world_size, link.device) == (1, 1, 1, torch.device("cpu"))
     root.weights_version, trainer.global_step = 5, 8  # read when asked, not when the link was made
     assert link.weights_version() == 5 and link.progress() == (8, 20)
+
+
+def test_the_test_report_pins_the_exported_model_and_logs_the_judge(lm_dir, tmp_path):
+    """Issue 73: the test stage's results.json pins the model folder it exported (the one that `dspo-eval
+    model.path=RUN/model` loads: both reports pin one digest), or the policy in memory when nothing was exported; a
+    judged run's judge scores reach the loggers."""
+    from dspo.callbacks.rollout_callback import log_judge_scores
+    from dspo.eval.pinned import tensors_digest, weights_digest
+    from dspo.eval.pipeline import Prediction
+
+    run = toy_run(lm_dir, str(tmp_path), 1)
+    run.module.run_record = {"config": {"rollout": {"agent": {"max_turns": 3, "top_p": 1.0}}}}
+    scored = [Prediction("1", "toy", "q", ["a"], "a", 1.0, 1.0, 1.0, 1, 0)]
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    pins = run.callback.pinned(run.module, scored)
+    assert pins["model"] == weights_digest(tmp_path / "model") and pins["agent"] == {"max_turns": 3}
+    assert pins["benchmarks"]["toy"]["n"] == 1 and pins["sampling"]["top_p"] == 1.0
+    run.callback.exported_to = None  # e.g. trainer.test without a fit
+    in_memory = tensors_digest(run.module.policy.state_dict().items())
+    assert run.callback.pinned(run.module, scored)["model"] == {**in_memory, "source": "policy in memory"}
+    logged = []
+    trainer = SimpleNamespace(loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append((m, step)))])
+    trainer.global_step = 4
+    log_judge_scores(trainer, {"toy": {"subem": 1.0, "judge": 0.5, "judge_agreement": None, "judge_errors": 2}})
+    assert logged == [({"test/toy/judge": 0.5, "test/toy/judge_errors": 2.0}, 4)]
+    log_judge_scores(SimpleNamespace(), {"toy": {"subem": 1.0}})  # no judge: nothing logged, loggers not read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -15,9 +16,11 @@ import torch
 from omegaconf import OmegaConf
 
 from dspo.eval.cli import CheckpointError, export_checkpoint, load_eval_sets
-from dspo.eval.pipeline import read_predictions, score
+from dspo.eval.pinned import weights_digest
+from dspo.eval.pipeline import read_predictions, read_results, score
 from dspo.metrics import exact_match, sub_exact_match, token_f1
 from dspo.process.resources import data_dir
+from dspo.search.bm25 import read_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = data_dir()
@@ -183,7 +186,11 @@ def recompute(predictions_path: Path) -> dict[str, dict[str, float]]:
 
 
 def check_outputs(out: Path, limit: int, benchmarks: list[str]) -> dict:
-    results = json.loads((out / "results.json").read_text())
+    """The benchmark rows of results.json, checked against predictions.jsonl; its `pinned` section is checked to name
+    the questions scored (the rest: tests/eval/test_pinned.py)."""
+    results, pinned = read_results(out / "results.json")
+    assert pinned["schema"] == 1 and sorted(pinned["benchmarks"]) == sorted(benchmarks)
+    assert all(pinned["benchmarks"][name]["n"] == limit for name in benchmarks)
     recomputed = recompute(out / "predictions.jsonl")
     assert list(recomputed) == benchmarks
     for name in benchmarks:
@@ -278,6 +285,13 @@ def test_dspo_eval_scripted_end_to_end(
     assert results["average"]["n"] == 12
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert all("<tool_response>" in r["response"] for r in rows)  # the search results went back to the model
+    pinned = read_results(out / "results.json")[1]  # issue 73: what decides these numbers
+    assert pinned["model"] == weights_digest(tiny_model)
+    assert pinned["retriever"]["index_digest"] == read_manifest(index_dir)["digest"]
+    for name in TWO_BENCHMARKS:
+        digest = hashlib.sha256((BENCHMARKS / f"{name}.jsonl").read_bytes()).hexdigest()
+        assert pinned["benchmarks"][name]["file_sha256"] == digest
+    assert pinned["agent"]["tag_format"] == cfg.rollout.agent.tag_format and pinned["judge"] is None
 
 
 @pytest.mark.slow
@@ -311,6 +325,8 @@ def test_dspo_eval_cli_from_checkpoint(tiny_model: str, index_dir: Path, tmp_pat
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = check_outputs(out, 3, TWO_BENCHMARKS)
     assert "| **average** | 6 |" in result.stdout
+    exported = read_results(out / "results.json")[1]["model"]["digest"]  # the checkpoint's policy, not the base
+    assert exported.startswith("sha256:") and exported != weights_digest(tiny_model)["digest"]
     assert set(results) == {*TWO_BENCHMARKS, "average"}
 
 

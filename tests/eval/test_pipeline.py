@@ -12,11 +12,13 @@ from dspo.agent import AgentRollout
 from dspo.eval.answer_metrics import benchmark_metrics
 from dspo.eval.pipeline import (
     AVERAGE,
+    JUDGE_KEYS,
     Prediction,
     macro_average,
     markdown_table,
     predict,
     read_predictions,
+    read_results,
     score,
     update_metrics,
     write_results,
@@ -148,3 +150,81 @@ def test_prediction_requires_single_trajectory() -> None:
     group = RolloutGroup(item=items()[0], trajectories=[make_trajectory("a"), make_trajectory("b")])
     with pytest.raises(ValueError, match="1 trajectory per group"):
         Prediction.from_group(group)
+
+
+def judged_group(item: QAItem, answer: str, components: dict[str, float]) -> RolloutGroup:
+    trajectory = make_trajectory(answer)
+    trajectory.reward_components = dict(components)
+    return RolloutGroup(item=item, trajectories=[trajectory])
+
+
+def test_a_judged_run_reports_the_judge_beside_the_scores(tmp_path: Path) -> None:
+    """Issue 73 (3): trajectories carrying the judge reward's components (`judge`, `judge_agrees`, `judge_error`, as
+    dspo.env.judge logs them) give per benchmark the judge's mean verdict, its agreement with subEM and its failures;
+    a failed verdict counts as an error only, never as a 0 in the judge's score."""
+    qa = items()
+    groups = [
+        judged_group(qa[0], "Shakespeare", {"subem": 0.0, "judge": 1.0, "judge_agrees": 0.0, "judge_error": 0.0}),
+        judged_group(qa[1], "The city of Paris", {"subem": 1.0, "judge": 1.0, "judge_agrees": 1.0, "judge_error": 0.0}),
+        judged_group(qa[2], "Mars", {"subem": 0.0, "judge": 0.0, "judge_agrees": 1.0, "judge_error": 1.0}),  # failed
+        judged_group(qa[3], "1999", {"subem": 1.0, "judge_error": 1.0}),
+        judged_group(qa[4], "no", {"subem": 0.0, "judge_error": 1.0}),
+    ]
+    predictions = [Prediction.from_group(group) for group in groups]
+    assert [(p.judge, p.judge_agrees, p.judge_error) for p in predictions[:3]] == [
+        (1.0, 0.0, 0.0),
+        (1.0, 1.0, 0.0),
+        (None, None, 1.0),
+    ]
+    results = score(predictions)
+    assert {k: results["nq"][k] for k in JUDGE_KEYS} == {"judge": 1.0, "judge_agreement": 0.5, "judge_errors": 1}
+    assert {k: results["hotpotqa"][k] for k in JUDGE_KEYS} == {
+        "judge": None,
+        "judge_agreement": None,
+        "judge_errors": 2,
+    }
+    assert "judge" not in macro_average(results)  # a benchmark without a verdict: no judged average
+    paths = write_results(tmp_path, results, predictions, pinned={"schema": 1})
+    table = paths["table"].read_text()
+    assert "| judge (%) | judge agrees (%) | judge errors |" in table
+    assert f"| nq | 3 | 33.3 | 0.0 | {100 * results['nq']['f1']:.1f} | 1.00 | 2.00 | 100.0 | 50.0 | 1 |" in table
+    assert "| hotpotqa | 2 | 50.0 | 50.0 | 50.0 | 1.00 | 2.00 | - | - | 2 |" in table
+    assert "| **average** | 5 | 41.7 |" in table and table.endswith("| - | - | - |\n")  # not every benchmark judged
+    rows, pinned = read_results(paths["results"])
+    assert pinned == {"schema": 1} and list(rows) == ["nq", "hotpotqa", AVERAGE]
+    assert read_predictions(paths["predictions"]) == predictions
+    both = score(predictions[:2] + [Prediction.from_group(judged_group(qa[3], "1999", {"judge": 1.0}))])
+    assert both["hotpotqa"] == {**both["hotpotqa"], "judge": 1.0, "judge_agreement": None, "judge_errors": 0}
+    assert "judge" not in macro_average(both)  # hotpotqa's verdict has no agreement: no judged average
+    agreeing = {"judge": 0.0, "judge_agrees": 0.0, "judge_error": 0.0}
+    both = score(predictions[:2] + [Prediction.from_group(judged_group(qa[3], "1999", agreeing))])
+    average = macro_average(both)
+    assert (average["judge"], average["judge_agreement"], average["judge_errors"]) == (0.5, 0.25, 0)
+
+
+def test_reports_without_a_judge_keep_their_form(tmp_path: Path) -> None:
+    predictions = predict(ScriptedAgent(ANSWERS), items(), batch_size=5, progress=False)
+    paths = write_results(tmp_path, score(predictions), predictions)
+    first = json.loads(paths["predictions"].read_text().splitlines()[0])
+    assert not any(key.startswith("judge") for key in first) and "judge" not in paths["table"].read_text()
+    rows, pinned = read_results(paths["results"])  # an old file: rows only
+    assert pinned is None and list(rows) == ["nq", "hotpotqa", AVERAGE]
+    with pytest.raises(ValueError, match="collides with results.json's pinned settings"):
+        write_results(tmp_path, {"pinned": {}}, [])
+
+
+def test_the_judge_scores_reach_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dspo.eval.pipeline import log_tensorboard
+
+    row = {"subem": 0.5, "em": 0.5, "f1": 0.5, "n": 2, "mean_tool_calls": 1.0, "mean_turns": 2.0}
+    table = {"nq": {**row, "judge": 0.75, "judge_agreement": 0.5, "judge_errors": 1}, "hotpotqa": dict(row)}
+    table["hotpotqa"].update(judge=None, judge_agreement=None, judge_errors=2)  # every verdict failed
+    log_tensorboard(tmp_path, table, step=3)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"test/nq/judge", "test/nq/judge_agreement", "test/nq/judge_errors", "test/hotpotqa/judge_errors"} <= tags
+    assert "test/hotpotqa/judge" not in tags and "test/nq/subem" in tags
+    assert [(e.step, e.value) for e in events.Scalars("test/nq/judge")] == [(3, 0.75)]
