@@ -91,7 +91,7 @@ def test_each_help_example_composes(help_texts, command):
 @pytest.mark.parametrize("command", ["dspo-eval", "dspo-rollout"])
 def test_the_groups_a_help_says_its_command_reads_are_its_configs(help_texts, command):
     """Hydra lists every group of conf/; the help says which its command reads: those of its defaults list."""
-    stated = re.search(rf"{command} reads ([\w, ]+), the others", help_texts[command]).group(1).split(", ")
+    stated = re.search(rf"{command} reads ([\w/, ]+), the others", help_texts[command]).group(1).split(", ")
     defaults = OmegaConf.load(REPO / "conf" / f"{CONFIGS[command]}.yaml").defaults
     groups = [key for entry in defaults if isinstance(entry, DictConfig) for key in entry if " " not in key]
     assert sorted(stated) == sorted(groups), "see the test's docstring"

@@ -122,6 +122,19 @@ class Triple:
     answer: str
 
 
+def configured_prompt_digest(
+    mode: str = "yes_no",
+    choices: Sequence[str] = ("yes", "no"),
+    scale: int = 10,
+    prompt: str | None = None,
+    system: str | None = None,
+    **_: Any,
+) -> str:
+    """The prompt digest a `JudgedReward` built from these `env.reward.judge` settings pins, without building it (the
+    training test stage at k >= 1 has no built reward in the trainer, and must pin what `dspo-eval` pins)."""
+    return JudgePrompt(VerdictParser(mode, list(choices), scale), prompt, system).digest
+
+
 class JudgePrompt:
     """The judge's conversation for a triple: the `template` (fields {question}, {golds}, {answer}, and optionally
     {choices}, {scale}) as one user message, after `system` when set. `digest` names both, the mode and the choices,

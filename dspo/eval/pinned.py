@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from dspo.env.judge import configured_prompt_digest
+
 SCHEMA = 1
 # The answer normalization every score uses (`dspo.metrics.normalize_answer`: FlashRAG / Search-R1's lowercasing,
 # punctuation, articles and whitespace rules). tests/eval/test_pinned.py ties this name to the code's digest: a change
@@ -255,11 +257,16 @@ def judge_identity(node: Mapping[str, Any] | None, reward: Any = None) -> dict[s
     model_path = settings.pop("model_path", None)
     if not base_url and model_path and Path(str(model_path)).expanduser().is_dir():
         settings["model_digest"] = weights_digest(model_path)["digest"]
-    prompt = settings.pop("prompt", None)
     pinned_digest = getattr(reward, "prompt_digest", None)
     pinned_digest = pinned_digest() if callable(pinned_digest) else pinned_digest
-    settings["prompt_digest"] = pinned_digest or (text_digest(prompt) if isinstance(prompt, str) else None)
+    settings["prompt_digest"] = pinned_digest or configured_prompt_digest(**_verdict_settings(node))
+    settings.pop("prompt", None)
     return compact(settings)
+
+
+def _verdict_settings(node: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("mode", "choices", "scale", "prompt", "system")
+    return {key: (list(node[key]) if key == "choices" else node[key]) for key in keys if node.get(key) is not None}
 
 
 def judge_node(env: Mapping[str, Any] | None) -> Mapping[str, Any] | None:

@@ -31,6 +31,7 @@ SMOKE = {
     "lora_push": "--hidden-size 64 --num-layers 1 --num-heads 2 --num-kv-heads 1 --intermediate 128 --pushes 1 "
     "--prompts 2 --max-new-tokens 4",
     "plan_check": "--cases tiny-full --length 32 --threads 2",
+    "judge_cost": "--rounds 2 --questions 2 --group-size 2 --pool 2 --repeats 1",
     "retrieval_scale": "--scale 3000 --workdir scale",  # bench/_scale.py: wiki-shaped corpus, both streamed backends
     "environments": "--run --setups simulated_noisy --seeds 0 --root envs --noise-eval 0 0.5 --override "
     "trainer.max_steps=2 trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
@@ -85,6 +86,16 @@ def test_vs_trl_smoke_measures_every_dspo_phase(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_async_smoke(toy_cache: Path, tmp_path: Path) -> None:
     run_bench("async", SMOKE["async"].split(), tmp_path, train_env(toy_cache, tmp_path / "runs"))
+
+
+@pytest.mark.slow
+def test_judge_cost_smoke_counts_the_cache_on_a_second_epoch(toy_cache: Path, tmp_path: Path) -> None:
+    run_bench("judge_cost", SMOKE["judge_cost"].split(), tmp_path, train_env(toy_cache, tmp_path / "runs"))
+    result = json.loads((tmp_path / "outputs" / "bench" / "judge_cost.json").read_text())
+    first, second = result["rounds"]  # the pool of 2 questions: round 2 asks round 1's again
+    assert first["cache_hits"] == 0 and first["calls"] + first["deduped"] == first["answered"]
+    assert second["calls"] + second["deduped"] + second["cache_hits"] == second["answered"]
+    assert second["plain_calls"] == second["answered"] and result["totals"]["judge_s"] > 0
 
 
 @pytest.mark.slow

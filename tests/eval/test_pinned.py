@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dspo.env.judge import JudgedReward
+from dspo.env.rewards import SubEMReward
 from dspo.eval import pinned
 from dspo.eval.pipeline import Prediction
 from dspo.runs.record import adopt
@@ -135,12 +137,22 @@ def test_the_judge_is_pinned_by_what_decides_a_verdict(lm_dir: str) -> None:
         "_target_": "dspo.env.judge.JudgedReward",
         "model": "judge-7b",
         "host": "api.example.com",
-        "prompt_digest": pinned.text_digest(node["prompt"]),
+        "prompt_digest": JudgedReward(SubEMReward(), client=SimpleNamespace(), prompt=node["prompt"]).prompt_digest,
     }
     assert "MY_JUDGE_KEY" not in json.dumps(identity)  # the key's variable name never enters a report
     assert pinned.judge_identity(node, SimpleNamespace(prompt_digest="sha256:built"))["prompt_digest"] == "sha256:built"
     local = pinned.judge_identity({"model_path": lm_dir, "prompt": None, "mode": "yes_no"})
-    assert local == {"model_digest": pinned.weights_digest(lm_dir)["digest"], "mode": "yes_no", "prompt_digest": None}
+    built = JudgedReward(SubEMReward(), client=SimpleNamespace())  # the default prompt: the trainer at k >= 1 has no
+    assert local == {  # built reward, and must pin what dspo-eval's built one pins
+        "model_digest": pinned.weights_digest(lm_dir)["digest"],
+        "mode": "yes_no",
+        "prompt_digest": built.prompt_digest,
+    }
+    scored = pinned.judge_identity({"mode": "score", "scale": 5, "system": "Grade.", "choices": ["yes", "no"]})
+    assert (
+        scored["prompt_digest"]
+        == JudgedReward(SubEMReward(), client=SimpleNamespace(), mode="score", scale=5, system="Grade.").prompt_digest
+    )
     assert pinned.judge_identity(None) is None
     env = {"reward": {"_target_": "dspo.env.SubEMReward", "judge": node}, "instruction": "x" * 200}
     assert pinned.judge_node(env) is node

@@ -279,6 +279,22 @@ def test_the_planners_answerer_engine_and_a_cpu_plan_of_the_toy_default():
     assert terms(plan)["answerer engine (HF): weights"] == model_shape("data/toy_warmstart/model").parameters * 4
 
 
+def test_a_local_judge_enters_the_plan_where_it_runs_and_a_servers_does_not():
+    toy = ["env/reward=judge", "model.path=data/toy_warmstart/model"]
+    plan = plan_of(compose_config("train", toy))
+    assert [e.name for e in plan.settings.engines] == ["policy engine (vLLM)", "judge (HF, local)"]
+    assert terms(plan)["judge (HF, local): weights"] == model_shape("data/toy_warmstart/model").parameters * 4
+    bf16 = ["env.reward.judge.dtype=bfloat16", "env.reward.judge.batch_size=4"]
+    on_gpu = plan_of(compose_config("train", [*toy, "plan.gpu=80GB", "env.reward.judge.device=cuda", *bf16]))
+    (judge,) = [e for e in on_gpu.settings.engines if e.name.startswith("judge")]
+    assert (judge.dtype_bytes, judge.batch_sequences) == (2, 4)
+    assert not [
+        e for e in plan_of(compose_config("train", [*toy, "plan.gpu=80GB"])).settings.engines if "judge" in e.name
+    ]
+    served = plan_of(compose_config("train", [*toy, "env.reward.judge.base_url=http://127.0.0.1:8000/v1"]))
+    assert [e.name for e in served.settings.engines] == ["policy engine (vLLM)"]
+
+
 def test_a_gpu_named_for_a_cpu_config_is_planned_as_trainer_gpu_would_run_it():
     cfg = compose_config("train", ["model.path=data/toy_warmstart/model", "plan.gpu=24GB"])
     settings = plan_of(cfg).settings
