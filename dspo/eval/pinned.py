@@ -235,12 +235,18 @@ def retriever_identity(section: Mapping[str, Any] | None, health: Any = remote_h
     return {"backend": None if target is None else str(target), "index_digest": None}
 
 
+# Reward settings that decide what a model learned, never how its report scores: the rubric (it passes the scored answer
+# through), per-turn credit. A report pins the model's digest instead, so comparing a rubric-trained model with a
+# subEM-trained one (an ablation) is not refused for them. The judge node is pinned apart (`judge`).
+TRAINING_ONLY_REWARD_KEYS = ("judge", "rubric", "credit")
+
+
 def env_settings(env: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The environment's settings (tools, reward, instruction) without the judge node, which `judge` pins."""
+    """The environment's settings (tools, reward, instruction) without the reward's training-only keys."""
     env = dict(env or {})
     reward = env.get("reward")
-    if isinstance(reward, Mapping) and "judge" in reward:
-        env["reward"] = {key: value for key, value in reward.items() if key != "judge"}
+    if isinstance(reward, Mapping):
+        env["reward"] = {key: value for key, value in reward.items() if key not in TRAINING_ONLY_REWARD_KEYS}
     return compact(env)
 
 

@@ -34,7 +34,7 @@ def test_judge_and_rubric_train_on_the_toy_and_their_report_pins_the_judge(
     judged = [row for name, row in rows.items() if name != "average"]
     assert judged and all({"subem", "em", "f1", "judge", "judge_agreement"} <= set(row) for row in judged)
     assert pinned["judge"]["model_digest"] and pinned["judge"]["prompt_digest"]
-    assert "rubric" in pinned["env"]["reward"]  # the rubric decides nothing at test, but is what trained
+    assert "rubric" not in pinned["env"]["reward"]  # what trained, in the model's digest: not how the report scores
 
     out = tmp_path / "eval"  # the run's record: its env with both layers, its agent, its retriever
     command = [sys.executable, "-m", "dspo.eval.cli", f"model.path={run / 'model'}", f"eval.output_dir={out}"]

@@ -154,12 +154,18 @@ def test_the_judge_is_pinned_by_what_decides_a_verdict(lm_dir: str) -> None:
         == JudgedReward(SubEMReward(), client=SimpleNamespace(), mode="score", scale=5, system="Grade.").prompt_digest
     )
     assert pinned.judge_identity(None) is None
-    env = {"reward": {"_target_": "dspo.env.SubEMReward", "judge": node}, "instruction": "x" * 200}
+    rubric = {"_target_": "dspo.env.rubric.RubricReward", "_partial_": True, "criteria": {"subem": 1.0}}
+    reward = {"_target_": "dspo.env.SubEMReward", "judge": node, "rubric": rubric, "credit": "turn"}
+    reward["max_answer_words"] = 5
+    env = {"reward": reward, "instruction": "x" * 200}
     assert pinned.judge_node(env) is node
-    assert pinned.env_settings(env) == {
-        "reward": {"_target_": "dspo.env.SubEMReward"},
-        "instruction": "sha256:" + (hashlib.sha256(b"x" * 200).hexdigest()[:16]),
-    }
+    assert (
+        pinned.env_settings(env)
+        == {  # what trained (rubric, credit) is in the model's digest; the judge apart
+            "reward": {"_target_": "dspo.env.SubEMReward", "max_answer_words": 5},
+            "instruction": "sha256:" + (hashlib.sha256(b"x" * 200).hexdigest()[:16]),
+        }
+    )
 
 
 def prediction(id_: str, benchmark: str, golds: list[str] | None = None) -> Prediction:
