@@ -235,18 +235,24 @@ def retriever_identity(section: Mapping[str, Any] | None, health: Any = remote_h
     return {"backend": None if target is None else str(target), "index_digest": None}
 
 
-# Reward settings that decide what a model learned, never how its report scores: the rubric (it passes the scored answer
-# through), per-turn credit. A report pins the model's digest instead, so comparing a rubric-trained model with a
-# subEM-trained one (an ablation) is not refused for them. The judge node is pinned apart (`judge`).
-TRAINING_ONLY_REWARD_KEYS = ("judge", "rubric", "credit")
+# The reward decides what a model learns, which its weights' digest pins; a report's scores are the scored answer's
+# subEM, EM and F1 (`dspo.eval.pipeline.score`), whatever the reward paid. So only the reward's parts that write the
+# scored answer are pinned: its nested objects, `_target_` nodes (env=planner's answerer, whose answer is scored).
+# Its class, its weights (IKEA's, the planner's costs), its credit and the rubric layer are not, so that comparing a
+# model trained on one reward with one trained on another (the ablation) is not refused. The judge is pinned apart.
+REWARD_LAYERS = ("judge", "rubric")
 
 
 def env_settings(env: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The environment's settings (tools, reward, instruction) without the reward's training-only keys."""
+    """The environment's settings (tools, instruction, the reward's answer-writing parts)."""
     env = dict(env or {})
     reward = env.get("reward")
     if isinstance(reward, Mapping):
-        env["reward"] = {key: value for key, value in reward.items() if key not in TRAINING_ONLY_REWARD_KEYS}
+        env["reward"] = {
+            key: value
+            for key, value in reward.items()
+            if isinstance(value, Mapping) and "_target_" in value and key not in REWARD_LAYERS
+        }
     return compact(env)
 
 

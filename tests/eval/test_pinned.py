@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from dspo.env.judge import JudgedReward
@@ -162,10 +163,20 @@ def test_the_judge_is_pinned_by_what_decides_a_verdict(lm_dir: str) -> None:
     assert (
         pinned.env_settings(env)
         == {  # what trained (rubric, credit) is in the model's digest; the judge apart
-            "reward": {"_target_": "dspo.env.SubEMReward", "max_answer_words": 5},
+            "reward": {},
             "instruction": "sha256:" + (hashlib.sha256(b"x" * 200).hexdigest()[:16]),
         }
     )
+
+
+def test_only_the_rewards_answer_writing_parts_are_pinned():
+    """Rewards differ between the runs an ablation compares (subEM, IKEA, a rubric); what they paid is in the model's
+    digest. A planner's answerer writes the answer that is scored, so it is pinned."""
+    search, ikea = (compose_config("train", o).env for o in ([], ["env=ikea", "env/reward=rubric"]))
+    as_dict = lambda env: OmegaConf.to_container(env, resolve=False)  # noqa: E731
+    assert pinned.env_settings(as_dict(search))["reward"] == pinned.env_settings(as_dict(ikea))["reward"] == {}
+    planner = pinned.env_settings(as_dict(compose_config("train", ["env=planner"]).env))["reward"]
+    assert list(planner) == ["answerer"] and planner["answerer"]["max_new_tokens"] == 96
 
 
 def prediction(id_: str, benchmark: str, golds: list[str] | None = None) -> Prediction:
