@@ -2,7 +2,7 @@
 
 With `rollout.max_staleness = k >= 1` the trainer process no longer generates. A spawned *engine process* builds the
 engine, the agent and the group filter (`RoundSampler`) from a picklable `WorkerSpec`, owns the prompt sampler,
-and produces round after round into a queue while the trainer updates. Three rules keep it bounded and reproducible:
+and produces round after round into a queue while the trainer updates. Four rules keep it bounded and reproducible:
 
 - **One behaviour policy per round.** Weights are loaded only between rounds (as verl's one-step-off and fully-async
   "finish on old weights" modes do), so the filter and DSPO's sequence ratio see one sampling policy per group
@@ -12,6 +12,11 @@ and produces round after round into a queue while the trainer updates. Three rul
   rounds; the trainer re-checks the bound when it takes the round. Every trajectory carries `policy_version` = the
   completed rounds of the weights that sampled it, so staleness = r - policy_version (logged as rollout/staleness_*).
 - **Seeded by the round index.** Round r samples with seed `seed * 1_000_003 + r * 1_009`, as the synchronous path.
+- **At k = 1, one version per round whatever the timing.** Round r is sampled by the weights after exactly r - 1
+  rounds: `push_weights` writes a push only once the engine process reported the previous one loaded (`Loaded`),
+  and the engine process loads a push only when the bound needs it (`EngineProcessLoop._hold_back`). Without these a
+  fast update (or a fresh engine process after a resume) could hand round r newer weights: fresher, but not the same
+  run twice (issue 74).
 
 Weights travel by `rollout.weight_transfer` (`dspo.rollout.transfer`): host shared memory (default; on a GPU box a
 device-to-host copy per push), or a two-member gloo (CPU) / NCCL (GPU to GPU, engines on their own GPUs) process group
@@ -123,7 +128,6 @@ class EngineProcess:
         self._predictions = 0
         self._pushes = 0  # sends so far: the engine process loads the weights of push n when handling command n
         self._loaded = 0  # the last push the engine process reported loaded (`Loaded`)
-        self.allowed_through = -1  # the last round the bound lets it generate with the weights pushed so far
         self.produces = False  # whether it generates rounds (started with a sampler: training, not evaluation only)
         self.pid: int | None = None
         self.credit = "trajectory"  # the environment's credit, as the engine process built it (dspo.env)
@@ -200,7 +204,6 @@ class EngineProcess:
             raise
         self._pushes += 1
         self.commands.put(LoadWeights(self._pushes, progress))
-        self.allowed_through = max(self.allowed_through, completed_rounds + self.spec.max_staleness)
 
     def _wait_loaded(self, sequence: int) -> None:
         """Until push `sequence` is loaded (rounds that come meanwhile wait to be taken)."""
@@ -214,11 +217,14 @@ class EngineProcess:
                 )
 
     def wait_rounds(self, first: int) -> list[SampledRound]:
-        """Rounds `first` .. `allowed_through`, in order, once generated: every round the engine process may generate
-        before the next push, which it does without the trainer (a checkpoint stores them; they stay to be taken)."""
+        """Rounds `first` .. `first + k - 1`, in order, once generated: with `first` rounds trained, the rounds sampled
+        by weights older than the trainer's (a checkpoint stores them; they stay to be taken). The engine process
+        generates them without another push; a later round is sampled by the trainer's weights or newer, so a resumed
+        run regenerates it as it was (waiting for it, after a validation push, would cost a round's generation)."""
         if not self.produces:
             return []
-        for index in range(first, self.allowed_through + 1):
+        last = first + self.spec.max_staleness - 1
+        for index in range(first, last + 1):
             while index not in self._ready:
                 message = self._wait(f"round {index} (to checkpoint it)")
                 if not isinstance(message, RoundDone):
@@ -226,7 +232,7 @@ class EngineProcess:
                         f"unexpected {type(message).__name__} from the engine process while waiting for round {index}"
                     )
                 self._ready[message.sampled.index] = message.sampled
-        return [self._ready[index] for index in range(first, self.allowed_through + 1)]
+        return [self._ready[index] for index in range(first, last + 1)]
 
     def adopt(self, rounds: list[SampledRound]) -> None:
         """A checkpoint's in-flight rounds, taken as if this engine process had generated them."""

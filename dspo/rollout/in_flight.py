@@ -1,7 +1,7 @@
 """Rounds in flight in a checkpoint: what a k >= 1 run had generated but not trained when it saved (issue 74).
 
-At a round boundary (c rounds trained) the engine process holds the weights of the last push and is generating, or has
-generated, every round the bound lets it: c up to (the last pushed completed count) + k. None of them needs anything
+At a round boundary (c rounds trained) the engine process is generating, or has generated, rounds c to c + k - 1,
+sampled by weights older than the trainer's: a resumed run could not sample them again. None of them needs anything
 more from the trainer, so the save waits for them (`EngineProcess.wait_rounds`) and stores them with what the engine
 process had after the last one: its prompt sampler's position and keep-rate prior (in each round already), the groups
 partial rollouts carry, its RNG states and its retrieval cache's keys (`retrieval/cache_hit_rate` goes on as it would

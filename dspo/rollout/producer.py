@@ -341,7 +341,15 @@ class RoundProducer:
     def _restored_in_flight(self, state_dict: dict[str, Any]) -> InFlight | None:
         """The checkpoint's in-flight rounds this run trains first (None: none, or regenerated)."""
         saved = state_dict.get("in_flight")
-        if saved is None or int(state_dict.get("cursor", 0)):
+        if int(state_dict.get("cursor", 0)) or not self.max_staleness:
+            return None
+        if saved is None:
+            log.warning(
+                "the checkpoint holds no rounds in flight (written with checkpointing.in_flight=false, on several "
+                "ranks, or before dspo stored them): round %d is regenerated at the restored weights, so the resumed "
+                "run is not the one never stopped (docs/async.md, Faults and resume)",
+                self.state.completed,
+            )
             return None
         if not self.spec.in_flight:
             log.warning("checkpointing.in_flight=false: the checkpoint's in-flight rounds are regenerated")

@@ -210,7 +210,7 @@ def _train_rounds(producer: RoundProducer, root: _Root, n: int) -> list:
 
 
 @pytest.mark.parametrize("in_flight", [True, False])
-def test_a_k1_producer_restored_at_a_round_boundary_trains_the_rounds_of_one_never_stopped(in_flight):
+def test_a_k1_producer_restored_at_a_round_boundary_trains_the_rounds_of_one_never_stopped(in_flight, caplog):
     torch.manual_seed(0)
     whole_root = _Root()
     start = {k: v.clone() for k, v in whole_root.state_dict().items()}
@@ -229,7 +229,9 @@ def test_a_k1_producer_restored_at_a_round_boundary_trains_the_rounds_of_one_nev
         producer.close()
     assert ("in_flight" in state["producer"]) == in_flight
     state = _through_a_checkpoint(state)
-    resumed = _k1_producer(root, state, in_flight=in_flight)
+    with caplog.at_level(logging.WARNING):
+        resumed = _k1_producer(root, state, in_flight=in_flight)
+    assert ("round 2 is regenerated at the restored weights" in caplog.text) != in_flight  # an old checkpoint's way
     try:
         cut += _train_rounds(resumed, root, 2)
     finally:
