@@ -2,7 +2,7 @@
 
 With `rollout.max_staleness = k >= 1` the trainer process no longer generates. A spawned *engine process* builds the
 engine, the agent and the group filter (`RoundSampler`) from a picklable `WorkerSpec`, owns the prompt sampler,
-and produces round after round into a queue while the trainer updates. Three rules keep it bounded and reproducible:
+and produces round after round into a queue while the trainer updates. Four rules keep it bounded and reproducible:
 
 - **One behaviour policy per round.** Weights are loaded only between rounds (as verl's one-step-off and fully-async
   "finish on old weights" modes do), so the filter and DSPO's sequence ratio see one sampling policy per group
@@ -12,6 +12,11 @@ and produces round after round into a queue while the trainer updates. Three rul
   rounds; the trainer re-checks the bound when it takes the round. Every trajectory carries `policy_version` = the
   completed rounds of the weights that sampled it, so staleness = r - policy_version (logged as rollout/staleness_*).
 - **Seeded by the round index.** Round r samples with seed `seed * 1_000_003 + r * 1_009`, as the synchronous path.
+- **At k = 1, one version per round whatever the timing.** Round r is sampled by the weights after exactly r - 1
+  rounds: `push_weights` writes a push only once the engine process reported the previous one loaded (`Loaded`),
+  and the engine process loads a push only when the bound needs it (`EngineProcessLoop._hold_back`). Without these a
+  fast update (or a fresh engine process after a resume) could hand round r newer weights: fresher, but not the same
+  run twice (issue 74).
 
 Weights travel by `rollout.weight_transfer` (`dspo.rollout.transfer`): host shared memory (default; on a GPU box a
 device-to-host copy per push), or a two-member gloo (CPU) / NCCL (GPU to GPU, engines on their own GPUs) process group
@@ -34,8 +39,10 @@ trainer checks that the engine process lives. The engine process builds the envi
 
 Departures from common implementations: π_old is never the engine's logprobs (verl/prime-rl/TRL "bypass" it); it stays
 the trainer's own at the start of the round it trains (Eq. 6), and the engine-vs-old gap, staleness plus numerics, is
-what `algorithm.rollout_correction` weighs. Rounds in flight are not checkpointed: a resumed run regenerates them from
-the saved start state of the first unconsumed round (sampler position, keep-rate prior), at the restored weights.
+what `algorithm.rollout_correction` weighs. Rounds in flight are checkpointed (`wait_rounds`, `dspo.rollout.in_flight`):
+a resumed run's engine process starts after the last of them (`start(..., resume)`) and the trainer takes them first
+(`adopt`); with `checkpointing.in_flight=false` a resumed run regenerates them from the saved start state of the first
+unconsumed round (sampler position, keep-rate prior), at the restored weights.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from dspo.rollout.engine_process_main import serve
 from dspo.rollout.faults import fault_point
 from dspo.rollout.messages import (
     Failed,
+    Loaded,
     LoadWeights,
     Predict,
     Predictions,
@@ -119,6 +127,8 @@ class EngineProcess:
         self._ready: dict[int, SampledRound] = {}
         self._predictions = 0
         self._pushes = 0  # sends so far: the engine process loads the weights of push n when handling command n
+        self._loaded = 0  # the last push the engine process reported loaded (`Loaded`)
+        self.produces = False  # whether it generates rounds (started with a sampler: training, not evaluation only)
         self.pid: int | None = None
         self.credit = "trajectory"  # the environment's credit, as the engine process built it (dspo.env)
 
@@ -126,9 +136,17 @@ class EngineProcess:
     def started(self) -> bool:
         return self.process is not None
 
-    def start(self, sampler, keep_rate: float | None, first_round: int, weights: Iterable[tuple[str, torch.Tensor]]):
+    def start(
+        self,
+        sampler,
+        keep_rate: float | None,
+        first_round: int,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        resume: dict | None = None,
+    ):
         """Allocate the shared weight buffers from the first weights and spawn the process (blocks until its engine
-        is built, so a bad config fails here, at the start)."""
+        is built, so a bad config fails here, at the start). `resume`: the engine process's state after a
+        checkpoint's last in-flight round (`dspo.rollout.in_flight.InFlight.engine_resume`)."""
         from dspo.rollout.transfer import make_transfer
 
         named = [(name, tensor.detach()) for name, tensor in weights]
@@ -144,8 +162,9 @@ class EngineProcess:
         # not daemonic: it may start children (vLLM's multiprocess executor, tool pools); it exits with the trainer
         # by itself (`_exit_with_the_trainer`), and `close` ends it
         self.process = self._ctx.Process(
-            target=serve, args=(self.spec, sampler, keep_rate, first_round, channels), daemon=False
+            target=serve, args=(self.spec, sampler, keep_rate, first_round, channels, resume), daemon=False
         )
+        self.produces = sampler is not None
         try:
             self.process.start()
         finally:
@@ -171,6 +190,8 @@ class EngineProcess:
         """Send the policy (None: unchanged weights, a skipped step: the round count only) and tell the engine
         process; it loads them before its next round."""
         fault_point("trainer.push")
+        if self.spec.max_staleness == 1:  # the previous push is loaded first: round r gets exactly r - 1's weights
+            self._wait_loaded(self._pushes)
         try:
             self.transfer.send(weights, completed_rounds, version, self._pushes + 1)
         except Exception as error:  # a collective transfer fails when its peer is gone: say which and why
@@ -183,6 +204,39 @@ class EngineProcess:
             raise
         self._pushes += 1
         self.commands.put(LoadWeights(self._pushes, progress))
+
+    def _wait_loaded(self, sequence: int) -> None:
+        """Until push `sequence` is loaded (rounds that come meanwhile wait to be taken)."""
+        while self._loaded < sequence:
+            message = self._wait(f"the engine to load push {sequence}", loads=True)
+            if isinstance(message, RoundDone):
+                self._ready[message.sampled.index] = message.sampled
+            elif not isinstance(message, Loaded):
+                raise EngineProcessError(
+                    f"unexpected {type(message).__name__} from the engine process while it loaded push {sequence}"
+                )
+
+    def wait_rounds(self, first: int) -> list[SampledRound]:
+        """Rounds `first` .. `first + k - 1`, in order, once generated: with `first` rounds trained, the rounds sampled
+        by weights older than the trainer's (a checkpoint stores them; they stay to be taken). The engine process
+        generates them without another push; a later round is sampled by the trainer's weights or newer, so a resumed
+        run regenerates it as it was (waiting for it, after a validation push, would cost a round's generation)."""
+        if not self.produces:
+            return []
+        last = first + self.spec.max_staleness - 1
+        for index in range(first, last + 1):
+            while index not in self._ready:
+                message = self._wait(f"round {index} (to checkpoint it)")
+                if not isinstance(message, RoundDone):
+                    raise EngineProcessError(
+                        f"unexpected {type(message).__name__} from the engine process while waiting for round {index}"
+                    )
+                self._ready[message.sampled.index] = message.sampled
+        return [self._ready[index] for index in range(first, last + 1)]
+
+    def adopt(self, rounds: list[SampledRound]) -> None:
+        """A checkpoint's in-flight rounds, taken as if this engine process had generated them."""
+        self._ready.update({sampled.index: sampled for sampled in rounds})
 
     def take_round(self, index: int) -> tuple[SampledRound, float]:
         """Round `index` and the seconds the trainer waited for it."""
@@ -214,8 +268,18 @@ class EngineProcess:
                 )
             self._ready[message.sampled.index] = message.sampled
 
-    def _wait(self, what: str) -> Reply:
-        """The next message; raises if the process reported an error or died."""
+    def _wait(self, what: str, loads: bool = False) -> Reply:
+        """The next message; raises if the process reported an error or died. A `Loaded` is recorded, and returned
+        only with `loads`."""
+        while True:
+            message = self._reply(what)
+            if isinstance(message, Loaded):
+                self._loaded = max(self._loaded, message.sequence)
+                if not loads:
+                    continue
+            return message
+
+    def _reply(self, what: str) -> Reply:
         while True:
             try:
                 message = self.results.get(timeout=POLL_S)

@@ -9,11 +9,13 @@ messages: `dspo.rollout.messages`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import os
 import queue
+import random
 import threading
 import time
 import traceback
@@ -26,6 +28,7 @@ from dspo.rollout.faults import fault_point
 from dspo.rollout.messages import (
     Command,
     Failed,
+    Loaded,
     LoadWeights,
     Predict,
     Predictions,
@@ -41,7 +44,9 @@ from dspo.rollout.transfer import parent_alive
 class EngineProcessLoop:
     """The engine process's loop: load weights between rounds, serve predictions, produce rounds within the bound."""
 
-    def __init__(self, spec: WorkerSpec, sampler, keep_rate: float | None, first_round: int, channels) -> None:
+    def __init__(
+        self, spec: WorkerSpec, sampler, keep_rate: float | None, first_round: int, channels, resume: dict | None = None
+    ) -> None:
         from dspo.agent import build_agent
         from dspo.env import Environment, check_credit_fits
         from dspo.env.spec import built
@@ -58,10 +63,38 @@ class EngineProcessLoop:
         self.round_sampler = RoundSampler(self.agent, spec.algorithm, spec.rank, spec.world_size, spec.max_token_age)
         if keep_rate is not None:
             self.round_sampler.keep_rate_estimate = float(keep_rate)
+        if resume:  # a checkpoint's in-flight rounds: continue after the last one as the saved engine process would
+            self._restore(resume)
         self.loaded_round: int | None = None  # completed rounds of the weights in the engine (None: none pushed yet)
         self.loaded_version: int | None = None  # optimizer steps of those weights (the first push always loads)
         self.progress = (0, 1)
         self.idle_s = 0.0
+        self.held_back: collections.deque[LoadWeights] = collections.deque()  # pushes loaded later (`_hold_back`)
+
+    def _restore(self, resume: dict) -> None:
+        """The state the engine process had after the last in-flight round of a checkpoint (dspo.rollout.in_flight)."""
+        self.round_sampler.carried = list(resume.get("carried") or [])
+        rng = resume.get("rng")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+        retriever = getattr(self.agent, "retriever", None)
+        if resume.get("retrieval_cache") is not None and hasattr(retriever, "restore"):
+            retriever.restore(resume["retrieval_cache"])  # the hits of the rounds to come: retrieval/cache_hit_rate
+
+    def resume_state(self) -> dict | None:
+        """What a checkpoint needs to continue after the round just generated (None: checkpointing.in_flight=false):
+        the carried groups (a snapshot: the reply is pickled when sent), the RNG states and the retrieval cache's
+        keys."""
+        if not self.spec.in_flight:
+            return None
+        carried = list(self.round_sampler.carried) if self.spec.max_token_age is not None else None
+        keys = getattr(getattr(self.agent, "retriever", None), "keys", None)
+        return {
+            "carried": carried,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "retrieval_cache": keys() if callable(keys) else None,
+        }
 
     def allowed(self) -> bool:
         if self.sampler is None:  # evaluation only
@@ -75,6 +108,9 @@ class EngineProcessLoop:
     def run(self) -> None:
         trainer_alive, was_waiting = parent_alive(), False
         while True:
+            if self.held_back and not self.allowed():  # the bound now needs the push held back: load it
+                self._handle(self.held_back.popleft())
+                continue
             waiting = not self.allowed()
             if waiting and not was_waiting:  # each time it starts waiting for weights (not each poll)
                 fault_point("engine.waiting")
@@ -88,8 +124,29 @@ class EngineProcessLoop:
                 self._produce()
             elif isinstance(command, Stop):
                 return
+            elif self._hold_back(command):
+                self.held_back.append(command)
             else:
+                if isinstance(command, Predict):  # predictions are at the newest weights
+                    self._load_held_back()
                 self._handle(command)
+
+    def _load_held_back(self) -> None:
+        """The pushes held back, loaded after the rounds the weights before them may still start (those rounds are the
+        same whether predictions come now or later)."""
+        while self.held_back:
+            if self.allowed():
+                self._produce()
+            else:
+                self._handle(self.held_back.popleft())
+
+    def _hold_back(self, command: Command) -> bool:
+        """At k = 1, a push that arrives while the weights loaded may still start the next round waits until that
+        round is generated (the trainer finished a round before the engine started the next one: a fast update, or a
+        fresh engine process after a resume). Round r is then sampled by the weights after r - 1 rounds whatever the
+        timing, which a resumed run's equality with the uninterrupted one needs (issue 74). At k >= 2 the newest
+        weights are loaded between rounds (fresher; which ones depends on timing)."""
+        return isinstance(command, LoadWeights) and self.spec.max_staleness == 1 and self.allowed()
 
     def _next_command(self, block: bool):
         start = time.perf_counter()
@@ -108,6 +165,7 @@ class EngineProcessLoop:
             self.loaded_round, self.loaded_version = self.transfer.receive(
                 command.sequence, self._load, self.loaded_version
             )
+            self.results.put(Loaded(command.sequence))
         elif isinstance(command, Predict):
             from dspo.eval.pipeline import predict
 
@@ -146,6 +204,7 @@ class EngineProcessLoop:
             keep_rate=self.round_sampler.keep_rate_estimate,
             idle_s=self.idle_s,
             generation=(started, time.time()),
+            resume=self.resume_state(),
         )
         self.results.put(RoundDone(sampled), point="engine.mid_write_round")
         self.next_round, self.idle_s = r + 1, 0.0
@@ -189,7 +248,7 @@ def _receiver_failed(results, text: str) -> None:
     os._exit(1)
 
 
-def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> None:
+def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels, resume: dict | None = None) -> None:
     """Entry point of the engine process (spawned: nothing of the trainer's process state is inherited)."""
     results = channels[1]
     # its own process group: whatever it starts (vLLM workers, tool pools, their children) ends with it, even once
@@ -213,7 +272,7 @@ def serve(spec: WorkerSpec, sampler, keep_rate, first_round: int, channels) -> N
         import_modules(list(spec.imports))  # user plug-ins register here too (imports=[...]), before anything is built
         channels[2].on_failure = functools.partial(_receiver_failed, results)
         channels[2].connect_engine()  # the weight transport's receiver (a collective one connects while we build)
-        loop = EngineProcessLoop(spec, sampler, keep_rate, first_round, channels)
+        loop = EngineProcessLoop(spec, sampler, keep_rate, first_round, channels, resume)
         results.put(Ready(os.getpid(), loop.credit))
         loop.run()
         loop.round_sampler.close()  # partial rollouts: says how many carried groups go untrained

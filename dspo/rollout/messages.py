@@ -57,6 +57,10 @@ class SampledRound:
     keep_rate: float | None = None
     idle_s: float = 0.0  # time the engine process waited for weights before starting it
     generation: tuple[float, float] = (0.0, 0.0)  # time.time() when its generation started and ended
+    # with checkpointing.in_flight (k >= 1): the engine process's state after this round, which a checkpoint stores
+    # with the rounds in flight (dspo.rollout.in_flight): {"carried": partial rollouts' CarriedGroups or None,
+    # "rng": {"torch": ByteTensor, "python": random.getstate()}}
+    resume: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,15 @@ class RoundDone:
     """A round generated."""
 
     sampled: SampledRound
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """Push `sequence` is loaded (or its weights were unchanged). At k = 1 the trainer writes the next push only after
+    this: a push written over one the engine process has not loaded yet would give a round newer weights than the
+    bound's, depending on timing (issue 74; `EngineProcess.push_weights`)."""
+
+    sequence: int
 
 
 @dataclass(frozen=True)
@@ -80,4 +93,4 @@ class Failed:
 
 
 Command = LoadWeights | Predict | Stop
-Reply = Ready | RoundDone | Predictions | Failed
+Reply = Ready | RoundDone | Predictions | Failed | Loaded

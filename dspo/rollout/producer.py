@@ -30,6 +30,7 @@ import torch
 from dspo.data.round_builder import Round, build_round
 from dspo.data.rounds import RoundSlot
 from dspo.models import load_tokenizer
+from dspo.rollout.in_flight import InFlight, identity, pack, tokenizer_fingerprint, unpack
 from dspo.rollout.link import TrainerLink
 from dspo.rollout.sides import EngineProcessSide, InProcessSide, RoundPosition, RoundResult
 from dspo.rollout.spec import WorkerSpec
@@ -128,6 +129,8 @@ class RoundProducer:
         self.link: TrainerLink | None = None  # what it needs of the trainer (set at `setup`)
         self.timeline: dict | None = None  # the round in progress: when it was waited for, generated, taken
         self._round_start: RoundStart | None = None  # where the round in progress started (None: none in progress)
+        self._restored: InFlight | None = None  # a checkpoint's in-flight rounds, for the engine side (k >= 1)
+        self._fingerprint: str | None = None  # the tokenizer's (dspo.rollout.in_flight), computed once
 
     @property
     def max_staleness(self) -> int:
@@ -144,6 +147,7 @@ class RoundProducer:
             return
         if self.max_staleness:
             self.side = EngineProcessSide(self.spec, self.engine_cores, self.engine_threads, self.engine_devices)
+            self._hand_over_in_flight()
             return
         spec = replace(self.spec, rank=link.rank, world_size=link.world_size)
         self.attach(InProcessSide.build(spec, self.tokenizer))
@@ -153,6 +157,7 @@ class RoundProducer:
         restored one is handed to the side's filter when the next round starts, else the state takes the filter's own
         initial prior (the engine process's filter reports its prior after a round)."""
         self.side = side
+        self._hand_over_in_flight()
         if self.state.keep_rate_estimate is None:
             self.state.keep_rate_estimate = side.initial_keep_rate
 
@@ -271,7 +276,45 @@ class RoundProducer:
             "python_rng": random.getstate(),
             # the over-sampling prior decides how many prompts the next round draws: a resumed run must draw the same
             "keep_rate_estimate": self.keep_rate_estimate,
+            **self._in_flight_state(),
         }
+
+    def _settings(self) -> dict[str, Any]:
+        """What in-flight rounds depend on (`dspo.rollout.in_flight.identity`)."""
+        if self._fingerprint is None and self.tokenizer is not None:
+            self._fingerprint = tokenizer_fingerprint(self.tokenizer)
+        return identity(self.spec, self._fingerprint)
+
+    def _in_flight_state(self) -> dict[str, Any]:
+        """{"in_flight": the rounds generated but not trained} at a round boundary of a one-rank k >= 1 run with
+        checkpointing.in_flight (k = 0 checkpoints are unchanged); the save waits for them (`dspo.rollout.in_flight`).
+        Mid-round checkpoints do not store them: their resume starts a fresh round anyway."""
+        side = self.side
+        if not (self.spec.in_flight and self.max_staleness and isinstance(side, EngineProcessSide)):
+            return {}
+        if self.state.current is not None or (self.link is not None and self.link.world_size > 1):
+            return {}
+        started = time.perf_counter()
+        rounds = side.rounds_in_flight(self.state.completed)
+        if not rounds:
+            return {}
+        try:
+            packed = pack(rounds, self._settings())
+        except TypeError as error:  # a plug-in's record the plain encoder does not know: regenerated on resume
+            log.warning("in-flight rounds not stored in the checkpoint (%s); a resume regenerates them", error)
+            return {}
+        log.info(
+            "checkpoint: %d in-flight round(s) from round %d stored (%.2f s)",
+            len(rounds),
+            rounds[0].index,
+            time.perf_counter() - started,
+        )
+        return {"in_flight": packed}
+
+    def _hand_over_in_flight(self) -> None:
+        if self._restored is not None and isinstance(self.side, EngineProcessSide):
+            self.side.restore(self._restored)
+            self._restored = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = self.state
@@ -282,12 +325,42 @@ class RoundProducer:
             log.warning("checkpoint was taken mid-round; resuming with a fresh round %d", state.completed)
         state.cursor, state.current = 0, None
         state.engine_version = -1  # the engine holds the initial weights: push the restored ones before sampling
-        if self.spec.max_token_age is not None:
+        self._restored = self._restored_in_flight(state_dict)
+        self._hand_over_in_flight()
+        if self.spec.max_token_age is not None and not self._carried_restored():
             log.warning(
-                "rollout.partial_rollouts: the episodes carried between rounds are not in checkpoints; the resumed "
-                "run starts round %d with none (their prompts are skipped, as the sampler had drawn them)",
+                "rollout.partial_rollouts: the episodes carried between rounds are not in this checkpoint (written "
+                "with checkpointing.in_flight=false, mid-round, or before dspo stored them); the resumed run starts "
+                "round %d with none (their prompts are skipped, as the sampler had drawn them)",
                 state.completed,
             )
         torch.set_rng_state(state_dict["torch_rng"])
         random.setstate(state_dict["python_rng"])
         state.keep_rate_estimate = state_dict.get("keep_rate_estimate")  # handed to the filter at the next round
+
+    def _restored_in_flight(self, state_dict: dict[str, Any]) -> InFlight | None:
+        """The checkpoint's in-flight rounds this run trains first (None: none, or regenerated)."""
+        saved = state_dict.get("in_flight")
+        if int(state_dict.get("cursor", 0)) or not self.max_staleness:
+            return None
+        if saved is None:
+            log.warning(
+                "the checkpoint holds no rounds in flight (written with checkpointing.in_flight=false, on several "
+                "ranks, or before dspo stored them): round %d is regenerated at the restored weights, so the resumed "
+                "run is not the one never stopped (docs/async.md, Faults and resume)",
+                self.state.completed,
+            )
+            return None
+        if not self.spec.in_flight:
+            log.warning("checkpointing.in_flight=false: the checkpoint's in-flight rounds are regenerated")
+            return None
+        world_size = self.link.world_size if self.link is not None else self.spec.world_size
+        restored = unpack(saved, self._settings(), self.state.completed, world_size)
+        if restored is not None:
+            log.info("resuming with %d in-flight round(s) from round %d", len(restored.rounds), self.state.completed)
+        return restored
+
+    def _carried_restored(self) -> bool:
+        """Whether the restored in-flight state holds the groups partial rollouts carried."""
+        restored = self.side.restored if isinstance(self.side, EngineProcessSide) else self._restored
+        return restored is not None and restored.carried is not None

@@ -102,6 +102,8 @@ class RolloutSettings:
         ones into the next round, on newer weights (`rollout.partial_rollouts`; `dspo.agent.partial`).
     max_token_age: with partial rollouts, the most rounds a trained token may be behind its round
         (`rollout.max_token_age`; None: max_staleness + 1).
+    in_flight: with k >= 1, checkpoints store the rounds generated but not trained and the engine process's state
+        after them, and a resume trains them first (`checkpointing.in_flight`; `dspo.rollout.in_flight`).
     """
 
     engine: Any
@@ -121,6 +123,7 @@ class RolloutSettings:
     imports: list | tuple | None = None
     partial_rollouts: bool = False
     max_token_age: int | None = None
+    in_flight: bool = True
 
     def __post_init__(self) -> None:
         from dspo.env import Environment, check_credit_fits
@@ -143,6 +146,8 @@ class RolloutSettings:
             log.log(*notice)
         if self.engine_cores not in ("split", "shared"):
             raise ValueError(f"rollout.engine_cores={self.engine_cores!r}: use split (own cores each) or shared")
+        if not isinstance(self.in_flight, bool):
+            raise ValueError(f"checkpointing.in_flight={self.in_flight!r}: use true or false")
         weight_transfer = check_transfer(self.weight_transfer)
         if not max_staleness and self.weight_transfer != "shared_memory":
             log.warning("rollout.weight_transfer=%s does nothing at rollout.max_staleness=0", self.weight_transfer)
@@ -171,4 +176,5 @@ class RolloutSettings:
             weight_transfer=self.weight_transfer,
             imports=self.imports,
             max_token_age=self.max_token_age,
+            in_flight=self.in_flight,
         )

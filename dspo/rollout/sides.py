@@ -14,6 +14,7 @@ here.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -24,7 +25,9 @@ import torch
 
 from dspo.process.progress_log import phase, progress_logger
 from dspo.rollout.engine_process import EngineProcess
+from dspo.rollout.in_flight import InFlight
 from dspo.rollout.link import TrainerLink, on_every_rank
+from dspo.rollout.messages import SampledRound
 from dspo.rollout.placement import colocated_device, engine_devices_for, share_the_cpu
 from dspo.rollout.sampler import RoundSampler
 from dspo.rollout.spec import WorkerSpec, round_seed
@@ -154,6 +157,18 @@ class EngineProcessSide:
         self.engine_devices = engine_devices
         self.worker: EngineProcess | None = None  # the handle on the engine process (None: not started)
         self._saved_cpu: tuple | None = None  # (affinity or None, torch threads) to restore when the process stops
+        self.restored: InFlight | None = None  # a checkpoint's in-flight rounds, until the engine process starts
+
+    def restore(self, in_flight: InFlight | None) -> None:
+        """Train `in_flight`'s rounds first; the engine process, when it starts, continues after the last of them."""
+        self.restored = in_flight
+
+    def rounds_in_flight(self, completed: int) -> list[SampledRound]:
+        """The rounds from `completed` on that are generated or may be without another push (a checkpoint stores them;
+        `EngineProcess.wait_rounds`); a restored set not yet handed to an engine process is still in flight."""
+        if self.worker is None:
+            return list(self.restored.rounds) if self.restored is not None else []
+        return self.worker.wait_rounds(completed)
 
     @property
     def credit(self) -> str:
@@ -184,10 +199,28 @@ class EngineProcessSide:
             self.worker = EngineProcess(self._spec(link))
             # evaluation only: no rounds to produce
             fitting_sampler = sampler if link.fitting() else None
+            start = self._start_point(position, fitting_sampler)
             with phase(f"engine process start ({engine_name(self.spec.engine)})", progress):
-                self.worker.start(fitting_sampler, position.keep_rate, position.completed, weights)
+                self.worker.start(*start[:3], weights, resume=start[3])
+            if start[4]:
+                self.worker.adopt(start[4])
         self.worker.push_weights(weights, position.completed, version, link.progress())
         return version
+
+    def _start_point(self, position: RoundPosition, sampler) -> tuple:
+        """(sampler, keep-rate prior, first round, engine resume state, rounds to adopt) of a new engine process: after
+        a checkpoint's in-flight rounds when there are some for this round, else at `position`."""
+        restored, self.restored = self.restored, None
+        if sampler is None or restored is None or restored.rounds[0].index != position.completed:
+            if restored is not None and sampler is not None:
+                first = restored.rounds[0].index
+                log.warning("in-flight rounds from %d do not follow round %d: regenerated", first, position.completed)
+            self.restored = restored if sampler is None else None  # evaluation only: keep them for the fit
+            return sampler, position.keep_rate, position.completed, None, []
+        ahead = copy.copy(sampler)  # the engine process's copy draws on from where the last stored round ended
+        if restored.sampler_state is not None:
+            ahead.load_state_dict(restored.sampler_state)
+        return ahead, restored.keep_rate, restored.next_round, restored.engine_resume(), restored.rounds
 
     def _spec(self, link: TrainerLink) -> WorkerSpec:
         local = link.local_world_size

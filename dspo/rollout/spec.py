@@ -36,6 +36,9 @@ class WorkerSpec:
     # rollout.partial_rollouts: the most rounds a carried group's oldest tokens may be behind the round that trains
     # them (rollout.max_token_age; None: partial rollouts off, every round runs its groups to the end)
     max_token_age: int | None = None
+    # checkpointing.in_flight: checkpoints of a k >= 1 run store the rounds generated but not trained, and the engine
+    # process reports what they need with every round (dspo.rollout.in_flight)
+    in_flight: bool = True
 
 
 def round_seed(seed: int, round_index: int) -> int:

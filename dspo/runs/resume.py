@@ -36,6 +36,9 @@ log = logging.getLogger("dspo.train")
 
 # Keys that only say how far or what else this command runs, not what is trained.
 RESUME_FREE_KEYS = ("trainer.max_steps", "ckpt_path", "allow_foreign_checkpoint", "run_test", "output_dir")
+# whether checkpoints store in-flight rounds: what a save holds, not what is trained (its own warning says what a
+# resume without them changes)
+RESUME_FREE_KEYS += ("checkpointing.in_flight", "callbacks.rollout.in_flight")
 # whole sections that only report progress or check before a start (the memory plan): a run started before one
 # existed resumes without a warning about it
 RESUME_FREE_SECTIONS = ("callbacks.round_lines.", "plan.")

@@ -54,20 +54,27 @@ class CachedRetriever:
             raise TypeError("search() takes a list of queries, not a single string")
         digest = getattr(self.retriever, "digest", None)  # once per call: an index computes it by hashing
         keys = [self._key(query, k, digest) for query in queries]
-        found: dict[tuple, list[Passage]] = {}
+        found: dict[tuple, list[Passage] | None] = {}
         with self._lock:
             for key in dict.fromkeys(keys):
                 if key in self._entries:
                     self._entries.move_to_end(key)
                     found[key] = self._entries[key]
         missing: dict[tuple, str] = {}
+        restored: dict[tuple, str] = {}  # hits on keys `restore` put back, whose passages are fetched now
         for key, query in zip(keys, queries, strict=True):
             if key not in found:
                 missing.setdefault(key, query)
-        if missing:
-            fresh = self.retriever.search(list(missing.values()), k)
-            found.update(zip(missing, fresh, strict=True))
+            elif found[key] is None:
+                restored.setdefault(key, query)
+        if missing or restored:
+            fetch = {**missing, **restored}
+            fresh = self.retriever.search(list(fetch.values()), k)
+            found.update(zip(fetch, fresh, strict=True))
             with self._lock:
+                for key in restored:  # a hit: it keeps the place its lookup gave it
+                    if key in self._entries:
+                        self._entries[key] = found[key]
                 for key in missing:
                     self._entries[key] = found[key]
                     self._entries.move_to_end(key)
@@ -77,6 +84,18 @@ class CachedRetriever:
             self.misses += len(missing)
             self.hits += len(queries) - len(missing)
         return [list(found[key]) for key in keys]
+
+    def keys(self) -> list[tuple]:
+        """The cached keys, least recently used first: what decides the hits to come (a checkpoint of a k >= 1 run
+        stores them, dspo.rollout.in_flight)."""
+        with self._lock:
+            return list(self._entries)
+
+    def restore(self, keys: list[tuple]) -> None:
+        """Cache `keys` (from `keys`), in that order, their passages fetched at their first hit: the hits and misses to
+        come are those of the cache they were read from, without storing its passages."""
+        with self._lock:
+            self._entries = OrderedDict((tuple(key), None) for key in keys[-self.max_entries :])
 
     def cache_stats(self) -> dict:
         with self._lock:

@@ -8,7 +8,17 @@ import pickle
 import pytest
 
 from dspo.rollout import messages
-from dspo.rollout.messages import Failed, LoadWeights, Predict, Predictions, Ready, RoundDone, SampledRound, Stop
+from dspo.rollout.messages import (
+    Failed,
+    Loaded,
+    LoadWeights,
+    Predict,
+    Predictions,
+    Ready,
+    RoundDone,
+    SampledRound,
+    Stop,
+)
 
 EXAMPLES = [
     LoadWeights(3, (12, 100)),
@@ -19,6 +29,7 @@ EXAMPLES = [
     SampledRound(3, [], {}, 2, sampler_state={"epoch": 0, "position": 8, "seed": 0}, keep_rate=0.25),
     Predictions(1, ["answer"]),
     Failed("Traceback ..."),
+    Loaded(3),
 ]
 
 

@@ -244,8 +244,8 @@ def test_rounds_driven_with_no_lightning_object(max_staleness):
 def test_a_two_role_agent_plays_rounds_from_the_engine_process_and_a_checkpoint_resumes_them():
     """Issue 57 (1): an agent of two roles (`dspo.testing.two_role_agent`: the solver's items built from the proposer's
     episodes in the same call) at k = 1, built by `build_agent` in the engine process like any agent: rounds carry both
-    roles' groups and `rollout/<role>/...`; the producer's checkpoint is what it always was, and a producer restored
-    from it goes on from the next round."""
+    roles' groups and `rollout/<role>/...`; the producer's checkpoint is what it always was (plus the round in flight),
+    and a producer restored from it goes on from the next round."""
     from dspo.data.rounds import PromptSampler, RoundSlot
     from dspo.testing import StandInTokenizer, recording_engine, toy_items, two_role_agent
 
@@ -280,7 +280,9 @@ def test_a_two_role_agent_plays_rounds_from_the_engine_process_and_a_checkpoint_
         assert stats["rollout/proposer/groups_sampled"] > 0 and stats["rollout/solver/groups_sampled"] > 0
         assert 0 < stats["rollout/proposer/valid_share"] <= 1
     reference = RoundProducer(replace(spec, agent=None)).state_dict()
-    assert set(state) == set(reference) and state["rounds_completed"] == 2
+    # and, since issue 74, the round generated ahead (checkpointing.in_flight), with both roles' groups
+    assert set(state) == set(reference) | {"in_flight"} and state["rounds_completed"] == 2
+    assert {g["f"]["role"] for g in state["in_flight"]["rounds"][0]["f"]["groups"]} == {"proposer", "solver"}
     resumed = producer_at(root, state)
     try:
         stats = train_round(resumed, root)

@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -232,9 +233,19 @@ class RoundLog(pl.Callback):
         self.rounds.append(([g.item.id for g in groups], versions))
 
 
-def _fit(lm_dir: str, root: Path, steps: int, max_staleness: int, ckpt_path: str | None = None, every: int = 0):
+def _fit(
+    lm_dir: str,
+    root: Path,
+    steps: int,
+    max_staleness: int,
+    ckpt_path: str | None = None,
+    every: int = 0,
+    in_flight: bool = True,
+):
     extra = (ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1),) if every else ()
     run = toy_run(lm_dir, str(root), steps, max_staleness=max_staleness, callbacks=extra)
+    producer = run.callback.producer
+    producer.spec = replace(producer.spec, in_flight=in_flight)  # checkpointing.in_flight
     log = RoundLog(run.callback)
     run.trainer.callbacks.append(log)
     run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
@@ -259,15 +270,18 @@ def test_one_round_ahead_trains_on_the_same_prompts_one_round_stale(lm_dir, tmp_
 
 
 @pytest.mark.slow  # spawns an engine process (a Python start-up, seconds)
-def test_a_checkpoint_taken_mid_flight_resumes_to_the_same_step_count_and_prompts(lm_dir, tmp_path):
-    """The round generated ahead is not in the checkpoint: the resumed run regenerates it from the saved start state
-    (same prompts) at the restored weights, and reaches the same step count."""
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_a_checkpoint_taken_mid_flight_resumes_to_the_same_step_count_and_prompts(lm_dir, tmp_path, in_flight):
+    """With checkpointing.in_flight (the default) the round generated ahead is in the checkpoint and trained first,
+    sampled by the weights it was sampled by (issue 74); without, the resumed run regenerates it from the saved start
+    state (same prompts) at the restored weights. Either way it reaches the same step count."""
     _, full = _fit(lm_dir, tmp_path / "full", 4, max_staleness=1, every=1)
     checkpoint = next((tmp_path / "full" / "ckpt").glob("*step=2*.ckpt"))
-    resumed, log = _fit(lm_dir, tmp_path / "resumed", 4, max_staleness=1, ckpt_path=str(checkpoint))
+    resumed, log = _fit(lm_dir, tmp_path / "resumed", 4, 1, ckpt_path=str(checkpoint), in_flight=in_flight)
     assert resumed.trainer.global_step == 4
     assert [ids for ids, _ in log.rounds] == [ids for ids, _ in full.rounds[2:]]
-    assert [versions for _, versions in log.rounds] == [[2], [2]]  # regenerated at the restored weights, then k = 1
+    # stored: as the run never stopped; regenerated at the restored weights, then k = 1
+    assert [versions for _, versions in log.rounds] == ([[1], [2]] if in_flight else [[2], [2]])
 
 
 class KillEngine(pl.Callback):

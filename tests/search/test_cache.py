@@ -105,3 +105,27 @@ def test_hit_rate_between_two_counts() -> None:
         "retrieval/cache_lookups": 3.0,
     }
     assert cache_counts(object()) is None and cache_hit_rate(None, None) == {}
+
+
+def test_restored_keys_give_the_hits_and_evictions_of_the_cache_they_were_read_from() -> None:
+    """Issue 74: a k >= 1 checkpoint stores the engine process's cached keys, not their passages; a cache restored from
+    them counts the same hits and misses and evicts the same keys as the one never stopped, and returns the same
+    passages (fetched at a restored key's first hit)."""
+    from dspo.rollout.plain import decode, encode
+
+    first = ["rome", "capital of France", "germany"]
+    later = [["capital of France"], ["italy", "rome"], ["germany", "berlin"], ["capital of france"]]
+    whole = CachedRetriever(Counting(), max_entries=3)
+    whole.search(first, 1)
+    keys = decode(encode(whole.keys()))  # as a checkpoint holds them
+    restored = CachedRetriever(Counting(), max_entries=3)
+    restored.restore(keys)
+    for queries in later:
+        before = (whole.hits, whole.misses), (restored.hits, restored.misses)
+        assert restored.search(queries, 1) == whole.search(queries, 1)
+        assert (whole.hits - before[0][0], whole.misses - before[0][1]) == (
+            restored.hits - before[1][0],
+            restored.misses - before[1][1],
+        )
+        assert restored.keys() == whole.keys()
+    assert whole.hits > 0 and whole.misses > len(first)  # both hits and evictions happened
