@@ -81,10 +81,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def engine_name(constructor: Any) -> str:
+    """`VLLMEngine` for the partial constructor of conf/rollout/vllm.yaml (a progress line's name for the engine)."""
+    target = getattr(constructor, "func", constructor)
+    return getattr(target, "__name__", type(target).__name__)
+
+
 def identity(spec: Any, fingerprint: str | None) -> dict[str, Any]:
     """The settings in-flight rounds depend on, as stored beside them."""
-    from dspo.rollout.sides import engine_name
-
     return {
         "rollout.max_staleness": int(spec.max_staleness),
         "rollout.max_token_age": spec.max_token_age,

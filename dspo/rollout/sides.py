@@ -25,7 +25,7 @@ import torch
 
 from dspo.process.progress_log import phase, progress_logger
 from dspo.rollout.engine_process import EngineProcess
-from dspo.rollout.in_flight import InFlight
+from dspo.rollout.in_flight import InFlight, engine_name
 from dspo.rollout.link import TrainerLink, on_every_rank
 from dspo.rollout.messages import SampledRound
 from dspo.rollout.placement import colocated_device, engine_devices_for, share_the_cpu
@@ -36,12 +36,6 @@ from dspo.types import RolloutGroup
 
 log = logging.getLogger(__name__)
 progress = progress_logger("engine")
-
-
-def engine_name(constructor: Any) -> str:
-    """`VLLMEngine` for the partial constructor of conf/rollout/vllm.yaml (a progress line's name for the engine)."""
-    target = getattr(constructor, "func", constructor)
-    return getattr(target, "__name__", type(target).__name__)
 
 
 @dataclass(frozen=True)
