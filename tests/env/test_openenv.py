@@ -123,3 +123,13 @@ def test_train_four_steps_against_an_openenv_server(run_train, short_default, to
     assert (scalars[scalars.tag == "reward/openenv/steps"].value > 0).all()  # the warm start searches
     grads = scalars[scalars.tag == "train/grad_norm"].value
     assert len(grads) >= 4 and all(math.isfinite(g) for g in grads) and (grads > 0).any()
+
+
+@pytest.mark.parametrize("env", ["env=openenv", "env=verifiers"])
+def test_the_adapters_are_refused_what_an_endpoint_agent_is_refused(env):
+    from dspo.testing import compose_config
+    from dspo.training.combinations import check_combinations
+
+    cfg = compose_config("train", [env, "rollout.partial_rollouts=true", "rollout.max_staleness=1", "paths.cache=/c"])
+    with pytest.raises(ValueError, match="rollout.partial_rollouts.*env.agent"):
+        check_combinations(cfg)
