@@ -96,9 +96,11 @@ SERVER = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_train_four_steps_against_an_openenv_server(run_train, short_default, toy_cache, tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1], ids=["k0", "k1_engine_process"])
+def test_train_four_steps_against_an_openenv_server(run_train, short_default, toy_cache, tmp_path, staleness):
     """The server runs in its own process, as a user's would; the filter needs mixed groups, so 4 steps taken means
-    the environment's rewards differ within groups."""
+    the environment's rewards differ within groups. At k = 1 the episodes run in the engine process, and their
+    scored answers cross to the trainer."""
     from pathlib import Path
 
     from dspo.sweeps.analysis import find_runs, load_scalars
@@ -109,7 +111,8 @@ def test_train_four_steps_against_an_openenv_server(run_train, short_default, to
         url = server.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), url
         outputs = tmp_path / "outputs"
-        run_train([*short_default, "env=openenv", f"env.url={url}", "trainer.max_steps=4", "run_test=false"], outputs)
+        args = [*short_default, "env=openenv", f"env.url={url}", "trainer.max_steps=4", "run_test=false"]
+        run_train([*args, f"rollout.max_staleness={staleness}"], outputs)
     finally:
         server.terminate()
         server.wait(timeout=30)
