@@ -39,6 +39,12 @@ KEY_VAR = "DSPO_VERIFIERS_ENDPOINT_KEY"  # verifiers reads a client's key from a
 @functools.lru_cache(maxsize=8)
 def _load(taskset_id: str, args_json: str, max_turns: int) -> Any:
     import json
+
+    return build(taskset_id, json.loads(args_json), max_turns)
+
+
+def build(taskset_id: str, args: Mapping, max_turns: int = 8) -> Any:
+    """A fresh verifiers `Env` of the taskset on the in-process harness and the local runtime (`load` caches one)."""
     import sys
 
     import verifiers.v1 as vf
@@ -50,7 +56,7 @@ def _load(taskset_id: str, args_json: str, max_turns: int) -> Any:
     # it is registered under the harness package, where verifiers' loader finds its own
     sys.modules.setdefault(f"verifiers.v1.harnesses.{HARNESS}", verifiers_harness)
     config = vf.SingleAgentEnvConfig(
-        taskset={"id": taskset_id, **json.loads(args_json)},
+        taskset={"id": taskset_id, **dict(args)},
         agent={"harness": {"id": HARNESS, "max_turns": max_turns}, "runtime": {"type": "subprocess"}},
     )
     return load_environment(config)
@@ -86,10 +92,14 @@ def load(taskset_id: str, args: Mapping | None = None, max_turns: int = 8) -> An
 
 
 def tasks(env: Any) -> list[Any]:
-    """The taskset's tasks in order (bounded tasksets only: dspo samples its prompts itself)."""
+    """The taskset's tasks in order (bounded tasksets only: dspo samples its prompts itself), listed once per env:
+    an episode looks its task up by index, and a taskset may read a file to list them."""
     if not env.taskset.bounded:
         raise ValueError(f"env.id: taskset {type(env.taskset).__name__} is infinite; bound it with its own config")
-    return list(env.taskset)
+    listed = getattr(env, "_dspo_tasks", None)
+    if listed is None:
+        listed = env._dspo_tasks = list(env.taskset)
+    return listed
 
 
 def verifiers_environment(
@@ -129,9 +139,6 @@ def proxy_tools(env: Any) -> dict[str, ProxyTool]:
     return {t.name: ProxyTool(t.name, t.description or "", t.input_schema or {}, "verifiers") for t in listed}
 
 
-_SERVING: dict[tuple[int, int], Any] = {}
-
-
 async def serving(env: Any) -> None:
     """Hold `env.serving()` (its interception server and the taskset's shared tool servers) open for the rest of this
     event loop's life, entered once: the endpoint runs every episode on one long-lived loop, `serving()` keeps its
@@ -140,11 +147,15 @@ async def serving(env: Any) -> None:
     exit."""
     import asyncio
     import contextlib
+    import weakref
 
-    key = (id(env), id(asyncio.get_running_loop()))
-    entry = _SERVING.get(key)
+    per_loop = getattr(env, "_dspo_serving", None)
+    if per_loop is None:
+        per_loop = env._dspo_serving = weakref.WeakKeyDictionary()  # a loop left behind takes its entry with it
+    loop = asyncio.get_running_loop()
+    entry = per_loop.get(loop)
     if entry is None:
-        entry = _SERVING[key] = {"lock": asyncio.Lock(), "stack": None}
+        entry = per_loop[loop] = {"lock": asyncio.Lock(), "stack": None}
     async with entry["lock"]:
         if entry["stack"] is None:
             stack = contextlib.AsyncExitStack()

@@ -20,7 +20,7 @@ pytest.importorskip("verifiers.v1")
 from dspo.agent import AgentConfig  # noqa: E402
 from dspo.agent.endpoint import EndpointAgent  # noqa: E402
 from dspo.engines.scripted import ScriptedEngine  # noqa: E402
-from dspo.env.verifiers_env import load, task_items, tasks, trace_score, verifiers_environment  # noqa: E402
+from dspo.env.verifiers_env import build, load, task_items, tasks, trace_score, verifiers_environment  # noqa: E402
 
 ENVS = Path(__file__).resolve().parent / "verifiers_envs"
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def verifiers_own_reward(taskset: str, args: dict, index: int, replies: list[dic
     from verifiers.v1.configs.client import EvalClientConfig
     from verifiers.v1.env import RunSlot
 
-    env = load(taskset, args)
+    env = build(taskset, args)  # a fresh one: dspo's (load's) keeps its serving resources for the run
     server, url = stub_server(replies)
     os.environ["STUB_KEY"] = "stub"
     ctx = ModelContext(client=EvalClientConfig(base_url=url, api_key_var="STUB_KEY"), model="policy")
