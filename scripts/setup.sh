@@ -61,6 +61,14 @@ else
   "$PY" -m pip install -q ${DSPO_PIP_ARGS:-} -e ".[gpu,dev]"
 fi
 
+# The standards' packages whose own requirements would change pinned versions (pyproject.toml, the `envs` extra):
+# installed without their requirements; what they import comes with `envs`.
+NO_DEPS=("openenv-core==0.3.0" "verifiers==0.4.0")
+say "installing ${NO_DEPS[*]} without their requirements (they would downgrade pillow, openai and mcp)"
+# shellcheck disable=SC2086
+"$PY" -m pip install -q ${DSPO_PIP_ARGS:-} --no-deps "${NO_DEPS[@]}"
+"$PY" -c "import reasoning_gym, openenv.core, verifiers.v1" || { echo "[setup] the envs extra failed to import" >&2; exit 1; }
+
 check_imports
 echo "$stamp" > "$stamp_file"
 say "done in $(( $(date +%s) - start )) s. Activate with: source $VENV/bin/activate"

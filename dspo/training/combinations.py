@@ -54,7 +54,13 @@ def _correction_level(cfg: DictConfig) -> str | None:
 PARTIAL = Setting("rollout.partial_rollouts", lambda c: _select(c, "rollout.partial_rollouts") is True)
 SYNCHRONOUS = Setting("rollout.max_staleness", lambda c: _select(c, "rollout.max_staleness", 0) == 0)
 COMPACT = Setting("rollout.agent.overflow", lambda c: _select(c, "rollout.agent.overflow") == "compact")
-ENDPOINT = Setting("env.agent", lambda c: _select(c, "env.agent") is not None, "an agent behind the endpoint")
+# env=openenv / env=verifiers build their env.agent themselves (dspo/env/external.py): behind the endpoint too
+EXTERNAL_ENVS = ("dspo.env.openenv.openenv_environment", "dspo.env.verifiers_env.verifiers_environment")
+ENDPOINT = Setting(
+    "env.agent",
+    lambda c: _select(c, "env.agent") is not None or _select(c, "env._target_") in EXTERNAL_ENVS,
+    "an agent behind the endpoint (env.agent, env=openenv, env=verifiers)",
+)
 TURN_CREDIT = Setting("env.reward.credit", lambda c: _select(c, "env.reward.credit") == "turn")
 PLANNER = Setting(
     "env.reward._target_",

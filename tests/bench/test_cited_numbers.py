@@ -42,6 +42,7 @@ STAMPS: dict[str, Callable[[dict], list[dict]]] = {
             "endpoint.json",
             "endpoint_random_vocab151k.json",
             "frameworks.json",
+            "envs.json",
             "lora.json",
             "lora_push.json",
             "lucene_agreement.json",
@@ -267,6 +268,22 @@ for name, row, ms, overhead in FRAMEWORK_ROWS:
     CITED.append(("docs/agents.md", row, ms, "frameworks.json", framework(name)))
     if overhead is not None:
         CITED.append(("docs/agents.md", row, overhead, "frameworks.json", framework(name, "overhead_ms_per_call")))
+
+
+# docs/standards.md's adapter table: (adapter, its row's cells, ms per call, overhead per call or None)
+ENV_ROWS = [
+    ("builtin", "| 32 | 0.16 | - |", "0.16", None),
+    ("openai_agent", "| 32 | 3.0 | +2.8 ms |", "3.0", "2.8"),
+    ("openenv", "| 32 | 6.1 | +6.0 ms |", "6.1", "6.0"),
+    ("verifiers_single", "| 16 | 58.1 | +57.9 ms |", "58.1", "57.9"),
+    ("verifiers_shared", "| 32 | 49.2 | +49.0 ms |", "49.2", "49.0"),
+    ("verifiers", "| 32 | 1230.0 | +1229.8 ms |", "1230.0", "1229.8"),
+]
+for name, row, ms, overhead in ENV_ROWS:
+    adapter = lambda key, name=name: lambda d: d["results"][name][key]  # noqa: E731
+    CITED.append(("docs/standards.md", row, ms, "envs.json", adapter("ms_per_call")))
+    if overhead is not None:
+        CITED.append(("docs/standards.md", row, overhead, "envs.json", adapter("overhead_ms_per_call")))
 
 
 def scale(passages: int, backend: str, key: str):

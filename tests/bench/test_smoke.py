@@ -24,6 +24,7 @@ SMOKE = {
     "rollout": "--questions 2 --group-size 2 --repeats 1",
     "endpoint": "--questions 2 --group-size 2 --repeats 1",
     "frameworks": "--questions 2 --group-size 2 --repeats 1",
+    "envs": "--questions 2 --group-size 2 --repeats 1",
     "vs_trl": "--trl-if-installed --skip-filter --steps 1 --repeats 1 --prompts 2 --group-size 2 --max-new-tokens 16 "
     "--num-questions 8 --threads 2",
     "async": "--workloads toy --staleness 0 --rounds 3 --warmup-rounds 1 --override " + " ".join(TINY_TRAIN),
@@ -57,7 +58,8 @@ def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script", ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "lora", "lora_push", "plan_check"]
+    "script",
+    ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "envs", "lora", "lora_push", "plan_check"],
 )
 def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
     run_bench(script, SMOKE[script].split(), tmp_path)
