@@ -27,6 +27,7 @@ from pathlib import Path
 
 from _checks import require_measured  # bench/ is on sys.path when this script runs
 from _outputs import add_output_arguments, output_path, provenance
+from frameworks import OnePassage  # the same one-passage retriever as the frameworks table
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = ("builtin", "openai_agent", "openenv", "verifiers_single", "verifiers", "verifiers_shared")
@@ -46,15 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--questions, --group-size and --repeats must be >= 1")
     args.out = output_path(parser, args, "envs.json")
     return args
-
-
-class OnePassage:
-    """Answers every query with the passage of the entity it names."""
-
-    def search(self, queries: list[str], k: int) -> list[list]:
-        from dspo.types import Passage
-
-        return [[Passage(id=q, title=q, text=f"{q} was born in City{q[-1]}.")] for q in queries]
 
 
 def script(prompt: str, turn: int, index: int) -> str:

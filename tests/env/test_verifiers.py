@@ -197,3 +197,16 @@ def test_train_a_multi_turn_verifiers_env_that_searches_the_toy_world(run_train,
     assert (scalars[scalars.tag == "reward/verifiers/searched"].value > 0).all()  # the warm start searches
     grads = scalars[scalars.tag == "train/grad_norm"].value
     assert len(grads) >= 4 and all(math.isfinite(g) for g in grads) and (grads > 0).any()
+
+
+@pytest.mark.slow
+def test_a_verifiers_env_trains_with_lora_on_two_ranks_one_round_ahead(run_train, short_default, toy_cache, tmp_path):
+    """As `env=agent` does (its rows of tests/training/test_combinations.py): LoRA, two gloo ranks (each its own engine
+    process, endpoint and verifiers serving) and k = 1 together, on the transformers engine."""
+    extra = ["trainer.max_steps=2", "model.lora.r=4", "trainer=ddp", "trainer.devices=2"]
+    extra += ["rollout.max_staleness=1", "rollout=hf"]  # the searching taskset: mixed groups, the filter on
+    scalars = train_verifiers(run_train, short_default, toy_cache, tmp_path, "vf_toy_search", extra)
+    assert (scalars[scalars.tag == "rollout/agent_errors"].value == 0).all()
+    grads = scalars[scalars.tag == "train/grad_norm"].value
+    assert len(grads) == 2 and all(math.isfinite(g) and g > 0 for g in grads)
+    assert (scalars[scalars.tag == "rollout/staleness_max"].value <= 1).all()
