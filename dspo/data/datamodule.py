@@ -84,15 +84,19 @@ class RolloutDataModule(pl.LightningDataModule):
             items = [item for path in self.train_files for item in load_qa(path, split="train")]
             if self.train_limit is not None:
                 items = items[: self.train_limit]
-            rank = self.trainer.global_rank if self.trainer else 0
-            world = self.trainer.world_size if self.trainer else 1
-            self.sampler = PromptSampler(items, seed=self.seed, rank=rank, world_size=world)
-            if self._pending_state is not None:
-                self.sampler.load_state_dict(self._pending_state)
+            self.start_sampler(items)
         if stage in (None, "fit", "validate") and not self.val_sets and self.val_files:
             self.val_sets = load_benchmarks(self.val_files, limit=self.val_limit)
         if stage in (None, "test") and not self.test_sets and self.test_files:
             self.test_sets = load_benchmarks(self.test_files, limit=self.test_limit)
+
+    def start_sampler(self, items: list[QAItem]) -> None:
+        """The prompt sampler over the training `items`, this rank's share, at the resumed position if any."""
+        rank = self.trainer.global_rank if self.trainer else 0
+        world = self.trainer.world_size if self.trainer else 1
+        self.sampler = PromptSampler(items, seed=self.seed, rank=rank, world_size=world)
+        if self._pending_state is not None:
+            self.sampler.load_state_dict(self._pending_state)
 
     @property
     def val_benchmarks(self) -> list[str]:

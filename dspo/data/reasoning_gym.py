@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dspo.data.datamodule import RolloutDataModule
-from dspo.data.rounds import PromptSampler
 from dspo.env.reasoning_gym import generate_items, task_configs
 
 
@@ -58,11 +57,7 @@ class ReasoningGymDataModule(RolloutDataModule):
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit") and self.sampler is None:
             items = [item for group in self._split(0, self.size, "train").values() for item in group]
-            rank = self.trainer.global_rank if self.trainer else 0
-            world = self.trainer.world_size if self.trainer else 1
-            self.sampler = PromptSampler(items, seed=self.seed, rank=rank, world_size=world)
-            if self._pending_state is not None:
-                self.sampler.load_state_dict(self._pending_state)
+            self.start_sampler(items)
         if stage in (None, "fit", "validate") and not self.val_sets and self.val_size:
             self.val_sets = self._split(1, self.val_size, "val")
         if stage in (None, "test") and not self.test_sets and self.test_size:

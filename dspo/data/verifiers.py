@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from dspo.data.datamodule import RolloutDataModule
-from dspo.data.rounds import PromptSampler
 
 
 class VerifiersDataModule(RolloutDataModule):
@@ -47,22 +46,22 @@ class VerifiersDataModule(RolloutDataModule):
             seed=seed,
         )
         self.val_size, self.test_size = val_size, test_size
+        self._loaded: list | None = None
 
     def _items(self) -> list:
-        from dspo.env.verifiers_env import load, task_items
+        """The taskset's tasks as items, loaded once (setup runs per stage: fit, validate, test)."""
+        if self._loaded is None:
+            from dspo.env.verifiers_env import load, task_items
 
-        return task_items(load(self.taskset_id, self.args), self.benchmark)
+            self._loaded = task_items(load(self.taskset_id, self.args), self.benchmark)
+        return self._loaded
 
     def setup(self, stage: str | None = None) -> None:
         items = self._items()
         held = self.val_size + self.test_size
         if stage in (None, "fit") and self.sampler is None:
             train = items[held:] if len(items) > held else items
-            rank = self.trainer.global_rank if self.trainer else 0
-            world = self.trainer.world_size if self.trainer else 1
-            self.sampler = PromptSampler(train, seed=self.seed, rank=rank, world_size=world)
-            if self._pending_state is not None:
-                self.sampler.load_state_dict(self._pending_state)
+            self.start_sampler(train)
         if stage in (None, "fit", "validate") and not self.val_sets and self.val_size:
             self.val_sets = {self.benchmark: items[: self.val_size]}
         if stage in (None, "test") and not self.test_sets and self.test_size:

@@ -24,12 +24,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 LAYERS = ("judge", "rubric")  # applied in this order: the rubric may weigh the judge's verdict
 
 
+def _reward(config: Any) -> Any:
+    reward = config.get("reward") if isinstance(config, DictConfig | dict) else None
+    return reward if isinstance(reward, DictConfig | dict) else {}
+
+
 def reward_layers(config: Any) -> list[str]:
     """The layers `config` (an `env` node) puts on its reward, in the order they apply."""
-    reward = config.get("reward") if isinstance(config, DictConfig | dict) else None
-    if not isinstance(reward, DictConfig | dict):
-        return []
-    return [name for name in LAYERS if reward.get(name) is not None]
+    return [name for name in LAYERS if _reward(config).get(name) is not None]
 
 
 def build_environment(config: Any, **kwargs: Any) -> Any:
@@ -37,10 +39,9 @@ def build_environment(config: Any, **kwargs: Any) -> Any:
     on the reward below it."""
     from hydra.utils import instantiate
 
-    layers = reward_layers(config)
-    reward = config.get("reward") if isinstance(config, DictConfig | dict) else None
-    if not isinstance(reward, DictConfig | dict) or not any(name in reward for name in LAYERS):
+    if not any(name in _reward(config) for name in LAYERS):  # a `judge: null` key is taken off too
         return instantiate(config, **kwargs)
+    layers = reward_layers(config)
     config = copy.deepcopy(config) if isinstance(config, DictConfig) else OmegaConf.create(config)
     with open_dict(config):  # the copy keeps its parent, so ${retriever} and friends still resolve
         nodes = {name: config.reward.pop(name) for name in LAYERS if name in config.reward}

@@ -225,14 +225,18 @@ class EngineProcess:
             return []
         last = first + self.spec.max_staleness - 1
         for index in range(first, last + 1):
-            while index not in self._ready:
-                message = self._wait(f"round {index} (to checkpoint it)")
-                if not isinstance(message, RoundDone):
-                    raise EngineProcessError(
-                        f"unexpected {type(message).__name__} from the engine process while waiting for round {index}"
-                    )
-                self._ready[message.sampled.index] = message.sampled
+            self._await_round(index, f"round {index} (to checkpoint it)")
         return [self._ready[index] for index in range(first, last + 1)]
+
+    def _await_round(self, index: int, waiting_for: str) -> None:
+        """Receive rounds until round `index` is among the ready ones; any other message is a protocol error."""
+        while index not in self._ready:
+            message = self._wait(waiting_for)
+            if not isinstance(message, RoundDone):
+                raise EngineProcessError(
+                    f"unexpected {type(message).__name__} from the engine process while waiting for round {index}"
+                )
+            self._ready[message.sampled.index] = message.sampled
 
     def adopt(self, rounds: list[SampledRound]) -> None:
         """A checkpoint's in-flight rounds, taken as if this engine process had generated them."""
@@ -242,13 +246,7 @@ class EngineProcess:
         """Round `index` and the seconds the trainer waited for it."""
         fault_point("trainer.take")
         start = time.perf_counter()
-        while index not in self._ready:
-            message = self._wait(f"round {index}")
-            if not isinstance(message, RoundDone):
-                raise EngineProcessError(
-                    f"unexpected {type(message).__name__} from the engine process while waiting for round {index}"
-                )
-            self._ready[message.sampled.index] = message.sampled
+        self._await_round(index, f"round {index}")
         sampled = self._ready.pop(index)
         check_round_bounds(sampled, self.spec.max_staleness, self.spec.max_token_age)
         return sampled, time.perf_counter() - start
