@@ -20,6 +20,8 @@ import random
 import time
 
 import torch
+from _checks import require_measured  # bench/ is on sys.path when this script runs
+from _outputs import add_output_arguments, output_path, provenance
 
 
 def _saved(obj) -> tuple[int, float]:
@@ -98,16 +100,25 @@ def synthetic_costs(groups: int, group_size: int, tokens: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", nargs="*", default=[])
     parser.add_argument("--groups", type=int, default=0)
     parser.add_argument("--group-size", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=4096)
+    add_output_arguments(parser, "in_flight.json")
     args = parser.parse_args()
-    for path in args.checkpoint:
-        print(json.dumps(checkpoint_costs(path)))
+    if not args.checkpoint and args.groups < 1:
+        parser.error("nothing to measure: give --checkpoint FILE ... and/or --groups N (N >= 1)")
+    args.out = output_path(parser, args, "in_flight.json")
+    figures = {"checkpoints": {path: checkpoint_costs(path) for path in args.checkpoint}}
     if args.groups:
-        print(json.dumps(synthetic_costs(args.groups, args.group_size, args.tokens)))
+        figures["synthetic"] = synthetic_costs(args.groups, args.group_size, args.tokens)
+    for name, value in figures.items():
+        print(name, json.dumps(value), flush=True)
+    require_measured("in_flight", {k: v for k, v in figures.items() if v})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**provenance(), **figures}, indent=2) + "\n")
+    print(f"written: {args.out}")
 
 
 if __name__ == "__main__":

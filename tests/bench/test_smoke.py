@@ -33,6 +33,7 @@ SMOKE = {
     "--prompts 2 --max-new-tokens 4",
     "plan_check": "--cases tiny-full --length 32 --threads 2",
     "judge_cost": "--rounds 2 --questions 2 --group-size 2 --pool 2 --repeats 1",
+    "in_flight": "--groups 2 --group-size 2 --tokens 400",
     "retrieval_scale": "--scale 3000 --workdir scale",  # bench/_scale.py: wiki-shaped corpus, both streamed backends
     "environments": "--run --setups simulated_noisy --seeds 0 --root envs --noise-eval 0 0.5 --override "
     "trainer.max_steps=2 trainer.val_check_interval=2 data.val_limit=8 data.test_limit=8 " + " ".join(TINY_TRAIN),
@@ -59,7 +60,18 @@ def run_bench(script: str, args: list[str], cwd: Path, env: dict | None = None) 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script",
-    ["train_step", "retrieval", "rollout", "endpoint", "frameworks", "envs", "lora", "lora_push", "plan_check"],
+    [
+        "train_step",
+        "retrieval",
+        "rollout",
+        "endpoint",
+        "frameworks",
+        "envs",
+        "lora",
+        "lora_push",
+        "plan_check",
+        "in_flight",
+    ],
 )
 def test_standalone_bench_smoke(script: str, tmp_path: Path) -> None:
     run_bench(script, SMOKE[script].split(), tmp_path)
